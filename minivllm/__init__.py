@@ -1,0 +1,1 @@
+"""minivllm: a small, readable vLLM-style serving engine."""
