@@ -1,0 +1,44 @@
+"""The ``minivllm`` command: ``minivllm generate "prompt"`` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(args.model, attention_backend=args.attention_backend)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.raw:
+        pieces = llm.stream(args.prompt, params)
+    else:
+        pieces = llm.stream(messages, params)
+    for piece in pieces:
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream one answer from the model")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default="smollm2-135m-instruct")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    gen.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""KVCacheManager: answers "can this request get N more KV slots?" and keeps block tables.
+
+The scheduler asks it three things: which leading blocks of a new request are already
+cached (prefix caching), whether a request can grow by ``num_new_tokens`` (allocating
+blocks if so), and to free a finished or preempted request's blocks. It owns one block
+table per request: the list of physical blocks holding that request's tokens in order,
+so token ``t`` lives in ``block_table[t // block_size]`` at offset ``t % block_size``.
+
+Full blocks are hashed as a chain (``hash_block_tokens``) and registered with the pool
+as soon as the step that fills them is scheduled: the model runner writes a layer's K/V
+for the whole batch before any attention in that layer reads it, so even a request
+admitted in the same step can share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from minivllm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, like vLLM. Requests resumed after preemption are counted
+    apart: their "hits" are their own blocks coming back, not reuse between requests."""
+
+    queries: int = 0
+    hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend the request's hash chain over every full block of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of cached full blocks from the request's first token.
+
+        At least the last token is always left to compute, so the request still gets
+        logits to sample from. Returns the blocks and the number of tokens they cover.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        stats = self.prefix_cache_stats
+        if request.metrics.num_preemptions:
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens
+        else:
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens, or return None if the pool can't.
+
+        ``new_computed_blocks`` are prefix-cache hits being adopted on admission; they
+        count against the free pool only if they are currently free.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = num_required - len(blocks) - len(new_computed_blocks)
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_revived > self.block_pool.get_num_free_blocks():
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks that will be full once ``num_tokens`` tokens are computed."""
+        self._update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks. Tail blocks are freed first so they are evicted
+        first: a later request is likelier to share a prefix than a tail."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Pool invariants, plus: each block's ref count equals the number of block
+        tables listing it."""
+        self.block_pool.check_invariants()
+        counts: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            assert block.ref_cnt == counts.get(block.block_id, 0), block

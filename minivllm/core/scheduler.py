@@ -1,0 +1,210 @@
+"""Scheduler: decides which requests run this step and how many tokens each gets.
+
+vLLM V1's policy, in about a hundred lines (notebooks 04, 06, 08):
+
+1. One *token budget* per step (``max_num_batched_tokens``) bounds the work of a forward
+   pass. Every scheduled token counts, whether it is a prompt token or a decode.
+2. Running requests go first, in admission order, each asking for
+   ``num_tokens - num_computed_tokens`` tokens: 1 for a decode, the rest of the prompt
+   for a request still prefilling. With chunked prefill a request takes what is left of
+   the budget, so a long prompt is cut into chunks that share steps with decodes.
+3. If the KV cache cannot hold a running request's new tokens, the most recently
+   admitted running request is *preempted*: its blocks are freed, it goes back to the
+   front of the waiting queue with ``num_computed_tokens = 0``, and later recomputes its
+   prompt plus everything it had generated. Its output is unchanged; only time is lost.
+4. Then waiting requests are admitted first come, first served, while budget, KV blocks
+   and ``max_num_seqs`` allow. Prefix-cache hits are adopted here.
+
+The scheduler never touches tensors; the model runner never makes policy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int
+    """Tokens already in the cache before this step (the new ones start here)."""
+    is_prefill: bool = False
+    """True for a prompt (chunk) or a resumed request's recompute; False for a decode,
+    which computes exactly the one token sampled last step."""
+    samples: bool = False
+    """Whether this step ends with a new token: only once every known token is computed."""
+
+    @classmethod
+    def make(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        done = request.num_computed_tokens
+        decode = (
+            num_new_tokens == 1
+            and done == request.num_tokens - 1
+            and done >= request.num_prompt_tokens
+        )
+        return cls(
+            request, num_new_tokens, done,
+            is_prefill=not decode,
+            samples=done + num_new_tokens == request.num_tokens,
+        )
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)
+    """Tokens taken from the prefix cache by each request admitted this step."""
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        # 1. Running requests, oldest admission first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while kv.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest.make(request, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the request preempted itself: nothing more fits this step
+
+        # 2. Waiting requests, first come first served (none if memory just ran out).
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            out.scheduled.append(ScheduledRequest.make(request, num_new))
+            if request.metrics.num_preemptions == 0:
+                request.metrics.num_cached_tokens = num_hit_tokens
+            out.prefix_cache_hits[request.request_id] = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= num_new
+
+        # The tokens are as good as computed: the runner writes their K/V this step.
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Append each sampled token, apply token-level stop rules, free the finished.
+
+        Returns the requests that received a token this step (finished or not).
+        """
+        updated = []
+        for s in scheduler_output.scheduled:
+            request = s.request
+            token = sampled.get(request.request_id)
+            if token is None or request.is_finished:
+                continue
+            request.append_output_token(token)
+            status = self._check_stop(request)
+            if status is not None:
+                self.finish_request(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        n = request.num_output_tokens
+        if n >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and n >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request wherever it is, and free its blocks."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)

@@ -1,0 +1,342 @@
+"""LLMEngine: the loop that ties scheduler, block manager and model runner together.
+
+One call to :meth:`LLMEngine.step` is one iteration of continuous batching:
+
+    schedule  ->  run the model on the packed batch  ->  append tokens, check stops
+              ->  detokenize  ->  record the step in the trace  ->  RequestOutputs
+
+Requests may be added or aborted between any two steps; that is what makes the batching
+*continuous*. Streaming is just calling ``step()`` and reading each output's
+``new_text`` (``LLM.stream`` does exactly that).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from minivllm.attention import resolve_backend
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.model_loader import DEFAULT_MODEL, load_model
+from minivllm.model_runner import ModelRunner, kv_cache_bytes_per_token
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.request import Request, RequestStatus
+from minivllm.sampling_params import SamplingParams
+from minivllm.trace import ScheduledChunk, StepRecord, Trace
+
+logger = logging.getLogger("minivllm")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine, with vLLM's names."""
+
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks; overrides kv_cache_memory."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache (default 1 GiB, or what max_num_seqs full-length requests need if less)."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+    max_trace_steps: int | None = None
+    """Keep only this many most recent steps in the trace (None: all)."""
+
+
+@dataclass
+class _OutputState:
+    """Per-request detokenization state kept by the engine (not by the scheduler)."""
+
+    detokenizer: IncrementalDetokenizer
+    sent: int = 0
+    """Characters of text already handed out in earlier outputs."""
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        """Source of every timestamp; the simulated runner swaps in a virtual clock."""
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        dtype = DTYPES[config.dtype]
+        if config.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(config.device)
+        backend = resolve_backend(config.attention_backend, device)
+        if model is None:
+            model, tokenizer = load_model(config.model, dtype, device)
+        else:
+            model = model.to(device=device, dtype=dtype).eval()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.attention_backend = backend
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+
+        model_max = getattr(model.config, "max_position_embeddings", None) or 2048
+        bytes_per_token = kv_cache_bytes_per_token(model, dtype)
+        block_bytes = bytes_per_token * config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+            num_blocks = budget // block_bytes
+            if config.kv_cache_memory is None:  # don't reserve more than the engine can use
+                max_len = config.max_model_len or model_max
+                num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache holds no block: one block of {config.block_size} tokens needs "
+                f"{block_bytes} bytes, kv_cache_memory is {config.kv_cache_memory}"
+            )
+        capacity = num_blocks * config.block_size
+        self.max_model_len = config.max_model_len or min(model_max, capacity)
+        if self.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model_max}"
+            )
+
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.model_runner = ModelRunner(model, self.kv_cache_manager, backend, device, dtype, config.seed)
+        self.trace = Trace(
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_steps=config.max_trace_steps,
+        )
+        self._states: dict[str, _OutputState] = {}
+        self._aborted: list[Request] = []
+        self._step_index = 0
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
+            "%d tokens per request: %.2fx. Attention backend: %s on %s.",
+            num_blocks, config.block_size, num_blocks * block_bytes / 2**20, capacity,
+            self.max_model_len, capacity / self.max_model_len, backend, device,
+        )
+
+    # -- requests in ------------------------------------------------------------------
+    def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        raise TypeError(f"prompt must be a str or a {{'prompt_token_ids': [...]}} dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ValueError (naming the value and the
+        limit) for anything that could never be served; nothing is queued then."""
+        params = params or SamplingParams()
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: it needs at least one token")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)"
+            )
+        if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens}, and chunked prefill is off"
+            )
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, len(ids) + params.max_tokens)
+        needed = cdiv(max_len, self.config.block_size)
+        if needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"the request can grow to {max_len} tokens, needing {needed} KV blocks, but the "
+                f"whole cache has {self.kv_cache_manager.num_blocks} blocks of "
+                f"{self.config.block_size}; lower max_tokens or give the cache more memory"
+            )
+        now = self.clock()
+        request = Request(request_id, ids, params, arrival_time if arrival_time is not None else now,
+                          self.eos_token_id, text)
+        self._states[request_id] = _OutputState(IncrementalDetokenizer(self.tokenizer, ids))
+        self.scheduler.add_request(request)
+        self.trace.requests[request_id] = request.metrics
+        return request
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort unfinished requests; their final output (finish_reason "abort") comes
+        out of the next ``step()``. Unknown ids raise KeyError and abort nothing."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        unknown = [i for i in ids if i not in self.scheduler.requests]
+        if unknown:
+            raise KeyError(f"no unfinished request with id(s) {unknown}")
+        for i in ids:
+            request = self.scheduler.requests[i]
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+            request.metrics.finished_time = self.clock()
+            self._aborted.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that progressed."""
+        outputs = [self._make_output(r) for r in self._aborted]
+        self._aborted.clear()
+        start = self.clock()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+            return outputs
+        for s in sched.scheduled:
+            if s.request.metrics.first_scheduled_time is None:
+                s.request.metrics.first_scheduled_time = start
+        result = self.model_runner.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, result.sampled)
+        now = self.clock()
+        finished = []
+        for request in updated:
+            m = request.metrics
+            m.token_times.append(now)
+            if m.first_token_time is None:
+                m.first_token_time = now
+            self._process_text(request)
+            if request.is_finished:
+                m.finished_time = now
+                finished.append(request.request_id)
+            outputs.append(self._make_output(request))
+        self._record(sched, start, self.clock(), result.model_time, finished)
+        return outputs
+
+    def _process_text(self, request: Request) -> None:
+        """Detokenize the new token; finish the request if a stop string appeared."""
+        state = self._states[request.request_id]
+        delta = state.detokenizer.add_token(request.output_token_ids[-1])
+        params = request.sampling_params
+        if not params.stop or request.is_finished or request.num_output_tokens < params.min_tokens:
+            return
+        text = state.detokenizer.text
+        # Only the new text (plus an overlap the length of a stop string) can hold a new match.
+        begin = max(0, len(text) - len(delta) - max(map(len, params.stop)) + 1)
+        hits = [(text.find(s, begin), s) for s in params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            index, stop = min(hits)
+            state.detokenizer.text = text[:index]
+            request.stop_reason = stop
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        text = state.detokenizer.text
+        visible = len(text)
+        if not request.is_finished and request.sampling_params.stop:
+            # Hold back what could be the start of a stop string until it is decided.
+            visible = max(state.sent, len(text) - max(map(len, request.sampling_params.stop)) + 1)
+        new_text = text[state.sent : visible]
+        state.sent = max(state.sent, visible)
+        if request.is_finished:
+            del self._states[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text[:visible],
+                    token_ids=list(request.output_token_ids),
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            ],
+            finished=request.is_finished,
+            metrics=request.metrics,
+            num_cached_tokens=request.metrics.num_cached_tokens,
+            new_text=new_text,
+        )
+
+    def _record(self, sched: SchedulerOutput, start: float, end: float, model_time: float,
+                finished: list[str]) -> None:
+        kv = self.kv_cache_manager
+        tables = {r.request_id: kv.get_block_ids(r.request_id) for r in self.scheduler.running}
+        refs: dict[int, int] = {}
+        for blocks in kv.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = b.ref_cnt
+        self.trace.record(
+            StepRecord(
+                step=self._step_index,
+                start=start,
+                end=end,
+                model_time=model_time,
+                scheduled=[
+                    ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill)
+                    for s in sched.scheduled
+                ],
+                num_free_blocks=kv.block_pool.get_num_free_blocks(),
+                num_blocks=kv.num_blocks,
+                block_tables=tables,
+                block_ref_counts=refs,
+                preempted=list(sched.preempted),
+                prefix_cache_hits=dict(sched.prefix_cache_hits),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                finished=finished,
+            )
+        )
+        self._step_index += 1
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()

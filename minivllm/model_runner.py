@@ -1,0 +1,137 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass and one token per request.
+
+Every scheduled token of every request is packed into a single flat batch of shape
+``[1, num_tokens]`` (no padding): a 300-token prompt chunk and thirty one-token decodes
+are one tensor. Alongside go the positions of those tokens, the cache slot each new key
+and value is written to (``slot_mapping``), each sequence's block table, where each
+sequence starts in the flat batch (``query_start_loc``) and how long it is afterwards
+(``seq_lens``). The stock transformers model runs on that with our registered attention
+function (``minivllm.attention``), and logits are computed only at the last token of
+each request that samples this step: a prompt chunk that is not the last needs none.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attention_ops
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.sampler import Sampler
+
+
+def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
+    """K and V, every layer, every KV head: what one token costs in the cache."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * itemsize
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]
+    """request_id -> new token, for the requests that sampled this step."""
+    model_time: float
+    """Seconds spent in the forward pass and sampler."""
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_cache_manager: KVCacheManager,
+        attention_backend: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = kv_cache_manager.block_size
+        self.kv_cache_manager = kv_cache_manager
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.reshape_and_cache, self.paged_attention = get_attention_ops(attention_backend, device)
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
+        # Zeros, not empty: padded lanes of a gathered block are masked out of the softmax,
+        # but 0 * NaN would still poison the weighted sum of values.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[dict, list[int], list]:
+        """Pack the scheduled tokens into flat model inputs and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        samplers = []
+        for s in sched.scheduled:
+            req = s.request
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            table = self.kv_cache_manager.get_block_ids(req.request_id)
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            tables.append(table)
+            if s.samples:
+                logits_indices.append(len(input_ids) - 1)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        block_tables = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+
+        def as_tensor(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype, device=dev)
+
+        metadata = AttentionMetadata(
+            slot_mapping=as_tensor(slots, torch.int64),
+            block_tables=as_tensor(block_tables),
+            query_start_loc=as_tensor(query_start_loc),
+            seq_lens=as_tensor(seq_lens),
+            kv_caches=self.kv_caches,
+            reshape_and_cache=self.reshape_and_cache,
+            paged_attention=self.paged_attention,
+        )
+        inputs = dict(
+            input_ids=as_tensor([input_ids], torch.int64),
+            position_ids=as_tensor([positions], torch.int64),
+            attn_metadata=metadata,
+        )
+        return inputs, logits_indices, samplers
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs, logits_indices, requests = self.prepare_inputs(sched)
+        t0 = time.perf_counter()
+        out = self.model(
+            **inputs,
+            use_cache=False,
+            logits_to_keep=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+        )
+        logits = out.logits[0]  # [num_sampling_requests, vocab]
+        tokens = self.sampler(
+            logits,
+            [r.sampling_params for r in requests],
+            [r.generator for r in requests],
+        )
+        model_time = time.perf_counter() - t0
+        return ModelRunnerOutput(
+            sampled={r.request_id: t for r, t in zip(requests, tokens)}, model_time=model_time
+        )

@@ -1,0 +1,89 @@
+"""Request: one prompt's journey through the engine, described by counts.
+
+The single idea to carry away (from vLLM V1): a request is not "in prefill" or "in
+decode". It has ``num_tokens`` known tokens (prompt plus generated) and
+``num_computed_tokens`` of them already have KV in the cache. Each step the scheduler
+gives it some of the difference: the whole prompt, a chunk of it, or the one token just
+sampled. Prefill, chunked prefill, decode and resume-after-preemption are one code path.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from minivllm.metrics import RequestMetrics
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float,
+        eos_token_id: int | None = None,
+        prompt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        # Block hashes of this request's full blocks (prefix caching), extended as it grows.
+        self.block_hashes: list[bytes] = []
+        # A private generator makes seeded sampling independent of batch neighbours.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,89 @@
+"""The step trace: one plain record per engine step, from which every picture is drawn.
+
+The engine appends a :class:`StepRecord` after each step; each request's timestamps live
+in its :class:`~minivllm.metrics.RequestMetrics`. ``minivllm.viz`` reads these records
+and never runs the engine, so a figure shows exactly what happened.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minivllm.metrics import RequestMetrics
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    """Tokens already cached before this step: the chunk covers the positions after it."""
+    is_prefill: bool
+    """Prompt (chunk) or recompute after preemption; False for a one-token decode."""
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float
+    end: float
+    model_time: float
+    """Seconds inside the model forward and sampling; the rest is engine overhead."""
+    scheduled: list[ScheduledChunk]
+    num_free_blocks: int
+    num_blocks: int
+    block_tables: dict[str, list[int]]
+    """Physical block ids of every running request after this step."""
+    block_ref_counts: dict[int, int]
+    """Reference count of every owned block (>1 means shared through the prefix cache)."""
+    preempted: list[str] = field(default_factory=list)
+    prefix_cache_hits: dict[str, int] = field(default_factory=dict)
+    """Tokens each newly admitted request found in the prefix cache."""
+    num_running: int = 0
+    num_waiting: int = 0
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.scheduled if c.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.scheduled if not c.is_prefill)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Trace:
+    """Everything a figure needs: the steps, the requests, and the engine's settings."""
+
+    block_size: int
+    num_blocks: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_steps: int | None = None
+    """Keep only the last ``max_steps`` steps (long simulations keep memory flat)."""
+    steps: deque[StepRecord] = field(default_factory=deque)
+    requests: dict[str, RequestMetrics] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.steps = deque(self.steps, maxlen=self.max_steps)
+
+    def record(self, step: StepRecord) -> None:
+        self.steps.append(step)
+
+    def clear(self) -> None:
+        self.steps.clear()
+        self.requests.clear()
