@@ -24,6 +24,7 @@ from minivllm.attention import resolve_backend
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, SchedulerStats
 from minivllm.model_loader import DEFAULT_MODEL, load_model
 from minivllm.model_runner import ModelRunner, kv_cache_bytes_per_token
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -58,6 +59,8 @@ class EngineConfig:
     seed: int = 0
     max_trace_steps: int | None = None
     """Keep only this many most recent steps in the trace (None: all)."""
+    log_stats_interval: float | None = 5.0
+    """Seconds between throughput/KV-usage log lines on the ``minivllm`` logger (None or 0: off)."""
 
 
 @dataclass
@@ -144,6 +147,11 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         self._aborted: list[Request] = []
         self._step_index = 0
+        self.stats = EngineStats()
+        """Engine-wide counters and histograms behind :meth:`get_metrics`."""
+        self._stat_logger = (
+            LoggingStatLogger(config.log_stats_interval, clock()) if config.log_stats_interval else None
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
             "%d tokens per request: %.2fx. Attention backend: %s on %s.",
@@ -220,6 +228,7 @@ class LLMEngine:
             request = self.scheduler.requests[i]
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
             request.metrics.finished_time = self.clock()
+            self.stats.record_finished(request.metrics, "abort")
             self._aborted.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -255,8 +264,13 @@ class LLMEngine:
             if request.is_finished:
                 m.finished_time = now
                 finished.append(request.request_id)
+                self.stats.record_finished(m, request.finish_reason)
             outputs.append(self._make_output(request))
         self._record(sched, start, self.clock(), result.model_time, finished)
+        self.stats.record_step(sched.num_scheduled_tokens, len(sched.preempted),
+                               [r.metrics for r in updated])
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
 
     def _process_text(self, request: Request) -> None:
@@ -340,3 +354,19 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- metrics ------------------------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler and KV cache as they are now (the gauges of :meth:`get_metrics`)."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )
+
+    def get_metrics(self) -> list[Metric]:
+        """Counters, gauges and histograms named like vLLM's (``minivllm:`` prefix)."""
+        return self.stats.get_metrics(self.scheduler_stats())

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.metrics import Metric
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
         max_trace_steps: int | None = None,
+        log_stats_interval: float | None = 5.0,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only)."""
@@ -58,10 +60,16 @@ class LLM:
             device=device,
             seed=seed,
             max_trace_steps=max_trace_steps,
+            log_stats_interval=log_stats_interval,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)
         self._counter = itertools.count()
+
+    def get_metrics(self) -> list[Metric]:
+        """Engine metrics, as vLLM's ``LLM.get_metrics()``: a list of Counter, Gauge and
+        Histogram records (see ``minivllm.metrics``)."""
+        return self.llm_engine.get_metrics()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.llm_engine.tokenizer
@@ -118,12 +126,22 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        in_toks = out_toks = 0
         try:
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
+                            # Like vLLM's bar: tokens of finished requests over wall time.
+                            in_toks += len(out.prompt_token_ids)
+                            out_toks += len(out.outputs[0].token_ids)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(
+                                f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                                f"output: {out_toks / elapsed:.2f} toks/s",
+                                refresh=False,
+                            )
                             bar.update(1)
         except BaseException:
             pending = [i for i in ids if i not in done and i in engine.scheduler.requests]
