@@ -96,6 +96,10 @@ def paged_attention(
         k = key_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
         v = value_cache[tables].flatten(1, 2)[:, :max_len].transpose(1, 2)
         valid = torch.arange(max_len, device=query.device) < seq_lens[idx].unsqueeze(1)
+        # Padding past a shorter sequence's end reads slots nobody wrote: torch.empty
+        # garbage can be NaN/inf, and a masked-out NaN still poisons SDPA (0 * NaN).
+        pad = ~valid[:, None, :, None]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
         q = query[rows].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa
