@@ -1,0 +1,234 @@
+"""minivllm.viz: each figure shows what it claims, checked against the trace of a small
+scripted run whose schedule is worked out by hand below."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+
+from minivllm import LLM, SamplingParams, viz
+from minivllm.model_loader import make_tiny_model
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_tiny_model("llama")
+
+
+def run(model, lengths, max_tokens, shared_prefix=(), **kw):
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_kv_blocks", 16)
+    llm = LLM(model, log_stats_interval=None, **kw)
+    prompts = [{"prompt_token_ids": list(shared_prefix) + [100 + 10 * i + j for j in range(n)]}
+               for i, n in enumerate(lengths)]
+    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return llm.trace
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_model):
+    """Two requests (6 and 3 prompt tokens, 3 output tokens each), budget 8 tokens/step."""
+    return run(tiny_model, (6, 3), 3, max_num_batched_tokens=8, enable_prefix_caching=False)
+
+
+# The schedule, by hand: step 0 fills the budget of 8 with request 0's whole prompt (6)
+# and the first 2 tokens of request 1's (a chunk); step 1 decodes request 0 and finishes
+# request 1's prompt; step 2 decodes both (request 0 now has its 3 tokens); step 3 the
+# last decode of request 1.
+EXPECTED = [
+    [("0", 6, True), ("1", 2, True)],
+    [("0", 1, False), ("1", 1, True)],
+    [("0", 1, False), ("1", 1, False)],
+    [("1", 1, False)],
+]
+
+
+def test_the_scripted_schedule(trace):
+    got = [[(c.request_id, c.num_tokens, c.is_prefill) for c in s.scheduled] for s in trace.steps]
+    assert got == EXPECTED
+
+
+def patches_by_gid(ax, prefix):
+    return {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith(prefix)}
+
+
+def test_batch_composition_bars_are_the_scheduled_tokens(trace):
+    fig = viz.plot_batch_composition(trace)
+    assert isinstance(fig, Figure)
+    assert tuple(fig.get_size_inches()) == viz.BATCH_SIZE
+    ax = fig.axes[0]
+    bars = patches_by_gid(ax, "step:")
+    assert len(bars) == sum(len(s) for s in EXPECTED)
+    for step, chunks in enumerate(EXPECTED):
+        bottom = 0
+        for rid, n, is_prefill in chunks:
+            bar = bars[f"step:{step}:{rid}"]
+            assert bar.get_x() + bar.get_width() / 2 == pytest.approx(step)  # one group per step
+            assert bar.get_height() == n and bar.get_y() == bottom  # stacked
+            assert bool(bar.get_hatch()) == is_prefill  # prefill hatched, decode solid
+            assert to_rgba(bar.get_facecolor()) == to_rgba(viz.request_color(rid))
+            bottom += n
+    # The token budget line.
+    budget = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(budget) == 1 and list(budget[0].get_ydata()) == [8, 8]
+
+
+def test_block_table_colours_exactly_the_owned_blocks(trace):
+    record = trace.steps[0]
+    # After step 0: request 0 holds 6 tokens (2 blocks), request 1 holds 2 (1 block).
+    assert {r: len(t) for r, t in record.block_tables.items()} == {"0": 2, "1": 1}
+    fig = viz.plot_block_table(trace, step=0)
+    assert tuple(fig.get_size_inches()) == viz.BLOCK_TABLE_SIZE
+    ax = fig.axes[0]
+    cells = patches_by_gid(ax, "block:")
+    assert len(cells) == trace.num_blocks == 16
+    owner = {b: rid for rid, table in record.block_tables.items() for b in table}
+    for b in range(trace.num_blocks):
+        want = viz.request_color(owner[b]) if b in owner else viz.FREE_COLOR
+        assert to_rgba(cells[f"block:{b}"].get_facecolor()) == to_rgba(want), b
+    colored = [p for p in cells.values() if to_rgba(p.get_facecolor()) != to_rgba(viz.FREE_COLOR)]
+    assert len(colored) == trace.num_blocks - record.num_free_blocks == 3
+
+    # The default request is the one holding the most blocks: request 0, and its
+    # logical blocks each point at the physical cell the block table names.
+    logical = patches_by_gid(ax, "logical:")
+    assert sorted(logical) == ["logical:0:0", "logical:0:1"]
+    arrows = [c for c in ax.texts if getattr(c, "arrow_patch", None) is not None]
+    assert len(arrows) == 2
+    for arrow, b in zip(arrows, record.block_tables["0"]):
+        cell = cells[f"block:{b}"]
+        assert arrow.xy[0] == pytest.approx(cell.get_x() + 0.46)
+
+
+def test_block_table_marks_shared_blocks(tiny_model):
+    # Two prompts sharing 8 tokens (2 full blocks), admitted in the same step: request 1
+    # adopts request 0's blocks from the prefix cache, so both blocks have ref count 2.
+    trace = run(tiny_model, (3, 2), 2, shared_prefix=range(10, 18), max_num_batched_tokens=64)
+    record = trace.steps[0]
+    shared = {b for b, ref in record.block_ref_counts.items() if ref > 1}
+    assert len(shared) == 2
+    fig = viz.plot_block_table(trace, step=0, request_id="1")
+    ax = fig.axes[0]
+    cells = patches_by_gid(ax, "block:")
+    hatched = {int(g.split(":")[1]) for g, p in cells.items() if p.get_hatch()}
+    assert hatched == shared
+    labels = {t.get_text() for t in ax.texts}
+    assert {f"{b}\nref 2" for b in shared} <= labels
+    assert len(patches_by_gid(ax, "logical:1:")) == len(record.block_tables["1"])
+
+
+def test_block_table_bad_step(trace):
+    with pytest.raises(IndexError, match="holds 4 steps"):
+        viz.plot_block_table(trace, step=10)
+
+
+def test_request_timeline_one_row_per_request(trace):
+    fig = viz.plot_request_timeline(trace)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1"]
+    spans = {c.get_gid(): c for c in ax.collections if c.get_gid()}
+    # Request 1 prefilled in steps 0 and 1 (two chunks) and decoded in steps 2 and 3.
+    assert len(spans["prefill:1"].get_paths()) == 2
+    assert len(spans["decode:1"].get_paths()) == 2
+    assert len(spans["prefill:0"].get_paths()) == 1
+    assert not any(g.startswith("preempted") for g in spans)
+    ticks = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
+    t0 = min(m.arrival_time for m in trace.requests.values())
+    for rid, m in trace.requests.items():
+        assert list(ticks[f"tokens:{rid}"].get_xdata()) == pytest.approx(
+            [t - t0 for t in m.token_times])
+    # Phases recovered from the trace, in the engine's clock.
+    s = viz.request_spans(trace)
+    assert s["1"]["decode"][0][0] == trace.steps[2].start
+
+
+def test_latency_percentiles(trace):
+    fig = viz.plot_latency(trace)
+    assert len(fig.axes) == 2
+    ttft = [m.ttft * 1e3 for m in trace.requests.values()]
+    itl = [x * 1e3 for m in trace.requests.values() for x in m.itls]
+    assert len(itl) == 2 * (3 - 1)
+    lines = {line.get_gid(): line for a in fig.axes for line in a.get_lines() if line.get_gid()}
+    for name, values in (("TTFT", ttft), ("ITL", itl)):
+        for q in (50, 90, 99):
+            assert lines[f"{name}:p{q}"].get_xdata()[0] == pytest.approx(np.percentile(values, q))
+
+
+def test_kv_usage_and_preemptions(tiny_model):
+    # 6 blocks of 4 tokens; three requests that each grow to 16 tokens: preemption.
+    trace = run(tiny_model, (6, 6, 6), 10, num_kv_blocks=6)
+    fig = viz.plot_kv_usage(trace)
+    ax = fig.axes[0]
+    usage = next(line for line in ax.get_lines() if line.get_gid() == "usage")
+    assert list(usage.get_ydata()) == pytest.approx([100 * s.kv_cache_usage for s in trace.steps])
+    assert usage.get_ydata()[-1] == 0  # all finished: nothing owned
+    marks = next(c for c in ax.collections if c.get_gid() == "preemptions")
+    want = [s.step for s in trace.steps if s.preempted]
+    assert want and list(marks.get_offsets()[:, 0]) == want
+    # The timeline shows the preempted spans of the preempted requests.
+    spans = viz.request_spans(trace)
+    victims = {rid for s in trace.steps for rid in s.preempted}
+    assert {rid for rid, sp in spans.items() if sp["preempted"]} == victims
+
+
+def test_memory_waste_numbers():
+    held = viz.memory_waste([5, 17], [3, 10], block_size=4, max_model_len=64)
+    assert held == {"contiguous": 128, "paged": 8 + 28, "stored": 8 + 27}
+    fig = viz.plot_memory_waste([5, 17], [3, 10], block_size=4, max_model_len=64)
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    assert heights == [128, 36, 35]
+
+
+def test_memory_waste_from_a_trace(trace):
+    fig = viz.plot_memory_waste(trace, max_model_len=32)
+    heights = [p.get_height() for p in fig.axes[0].patches]
+    # Prompts 6 and 3 plus 3 tokens each: 9 and 6 tokens, 3 + 2 blocks of 4.
+    assert heights == [64, 20, 15]
+
+
+def test_plots_draw_into_a_given_axes(trace):
+    fig, ax = plt.subplots()
+    assert viz.plot_batch_composition(trace, ax=ax) is fig
+    assert viz.plot_kv_usage(trace, ax=ax) is fig
+    assert viz.plot_request_timeline(trace, ax=ax) is fig
+    assert viz.plot_block_table(trace, ax=ax) is fig
+
+
+def test_replay_without_widgets_draws_the_first_step(trace):
+    fig = viz.replay(trace)
+    assert isinstance(fig, Figure)
+    table, batch = fig.axes
+    assert "after step 0" in table.get_title()
+    assert len(patches_by_gid(batch, "step:")) == 7
+    assert "step 0:" in fig._suptitle.get_text()
+
+
+def test_request_colors_are_stable_and_distinct():
+    colors = [viz.request_color(str(i)) for i in range(20)]
+    assert len(set(colors)) == 20
+    assert viz.request_color("abc") == viz.request_color("abc")
+
+
+def test_save_figure(trace, tmp_path, monkeypatch):
+    assert viz.figures_dir().name == "figures"
+    monkeypatch.setattr(viz, "figures_dir", lambda: tmp_path)
+    path = viz.save_figure(viz.plot_kv_usage(trace), "kv")
+    assert path == tmp_path / "kv.png" and path.stat().st_size > 0
+    assert viz.save_figure(viz.plot_kv_usage(trace), "kv.svg").suffix == ".svg"
+
+
+def test_empty_trace_explains(tiny_model):
+    llm = LLM(tiny_model, num_kv_blocks=8, log_stats_interval=None)
+    with pytest.raises(ValueError, match="run the engine"):
+        viz.plot_batch_composition(llm.trace)
+    with pytest.raises(ValueError, match="run the engine"):
+        viz.replay(llm.trace)
