@@ -183,7 +183,11 @@ def paged_attention(
     # read it here (one small device->host copy).
     max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     group = num_heads // num_kv_heads
-    block_m = max(16, next_power_of_2(group), min(64, next_power_of_2(max_q_len * group)))
+    # Tile sizes: tl.dot wants every side >= 16. The caps keep shared memory near 50 KB
+    # at head_dim 128 (checked by compiling for sm_90): float32 tiles are twice the bytes.
+    cap = 32 if query.dtype == torch.float32 else 64
+    tile_n = max(16, min(block_size, cap))
+    block_m = max(16, next_power_of_2(group), min(cap, next_power_of_2(max_q_len * group)))
     block_q = block_m // group
     dot_dtype = _TL_DTYPES[query.dtype]
     if query.dtype == torch.bfloat16 and interpreting():
@@ -214,7 +218,7 @@ def paged_attention(
         GROUP=group,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        TILE_N=max(16, block_size),
+        TILE_N=tile_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         DOT_DTYPE=dot_dtype,
