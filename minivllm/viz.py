@@ -63,11 +63,25 @@ def request_color(request_id: str) -> tuple[float, float, float]:
     return _PALETTE[(2 * key) % 20 + (key // 10) % 2]
 
 
+def _new_figure(size: tuple[float, float]) -> Figure:
+    """A Figure made through pyplot (which switches Jupyter's inline backend on, so the
+    Figure renders as a picture) and then closed there at once.
+
+    Closing takes it off pyplot's list of open figures, so Jupyter shows a returned
+    figure exactly once (as the cell's result) instead of a second time when pyplot
+    flushes its open figures, and replay's redraws are garbage collected rather than
+    piling up. The Figure itself still draws and saves normally.
+    """
+    fig = plt.figure(figsize=size, layout="constrained")
+    plt.close(fig)
+    return fig
+
+
 def _new_axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
     if ax is not None:
         return ax.figure, ax
-    fig, ax = plt.subplots(figsize=size, layout="constrained")
-    return fig, ax
+    fig = _new_figure(size)
+    return fig, fig.add_subplot()
 
 
 def _get_step(trace: Trace, step: int) -> StepRecord:
@@ -307,7 +321,8 @@ def plot_latency(trace: Trace, ax: Axes | Sequence[Axes] | None = None) -> Figur
     if not ttfts:
         raise ValueError("no request in the trace has a first token yet")
     if ax is None:
-        fig, axes = plt.subplots(1, 2, figsize=LATENCY_SIZE, layout="constrained")
+        fig = _new_figure(LATENCY_SIZE)
+        axes = fig.subplots(1, 2)
     elif isinstance(ax, Axes):
         fig, axes = ax.figure, [ax, ax]
     else:
@@ -425,8 +440,8 @@ def plot_memory_waste(
 
 
 def _replay_figure(trace: Trace, step: int, request_id: str | None = None) -> Figure:
-    fig, (left, right) = plt.subplots(1, 2, figsize=REPLAY_SIZE, layout="constrained",
-                                      gridspec_kw={"width_ratios": [1, 1.2]})
+    fig = _new_figure(REPLAY_SIZE)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.2]})
     plot_block_table(trace, step, request_id, ax=left)
     plot_batch_composition(trace, ax=right, highlight_step=step)
     record = trace.steps[step]
@@ -476,7 +491,6 @@ def replay(trace: Trace, request_id: str | None = None):
             out.clear_output(wait=True)
             fig = _replay_figure(trace, index, request_id)
             display(fig)
-            plt.close(fig)  # shown once, through the Output widget only
 
     slider.observe(lambda change: draw(change["new"]), names="value")
     draw(0)

@@ -232,3 +232,25 @@ def test_empty_trace_explains(tiny_model):
         viz.plot_batch_composition(llm.trace)
     with pytest.raises(ValueError, match="run the engine"):
         viz.replay(llm.trace)
+
+
+def test_replay_with_a_widget_frontend(trace, monkeypatch, capsys):
+    import ipywidgets as widgets
+
+    monkeypatch.setattr(viz, "_has_widget_frontend", lambda: True)
+    box = viz.replay(trace)
+    assert isinstance(box, widgets.VBox)
+    play, slider = box.children[0].children
+    assert isinstance(play, widgets.Play) and isinstance(slider, widgets.IntSlider)
+    assert slider.min == 0 and slider.max == len(trace.steps) - 1
+    slider.value = 2  # redraws without error
+    assert "Figure" in capsys.readouterr().out  # display() prints outside a kernel
+
+
+def test_figures_stay_out_of_pyplot(trace):
+    # Jupyter shows a returned figure once, and replay's redraws don't accumulate.
+    plt.close("all")
+    viz.plot_batch_composition(trace)
+    viz.plot_latency(trace)
+    viz.replay(trace)
+    assert plt.get_fignums() == []
