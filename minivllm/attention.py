@@ -15,7 +15,6 @@ global context.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from minivllm.kernels import reference
+from minivllm.kernels.triton_utils import interpreting, triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +91,6 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """"auto" picks Triton on CUDA and PyTorch elsewhere."""
     if backend not in BACKENDS:
@@ -118,11 +110,19 @@ def get_attention_ops(backend: str, device: torch.device) -> tuple[Callable, Cal
     """(reshape_and_cache, paged_attention) for a resolved backend."""
     if backend == "torch":
         return reference.reshape_and_cache, reference.paged_attention
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        # The interpreter must be chosen before @triton.jit runs, i.e. before the kernel
-        # modules are first imported; they are imported lazily right below.
-        logger.warning("No GPU: running the Triton kernels in Triton's interpreter (slow, for learning).")
-        os.environ["TRITON_INTERPRET"] = "1"
+    if device.type != "cuda" and not interpreting():
+        # Triton's interpreter must be chosen before triton is first imported, and
+        # `import minivllm` already imports it (through transformers and torch), so
+        # it is too late to switch here.
+        raise RuntimeError(
+            'attention_backend="triton" on a CPU runs Triton\'s interpreter, which must be '
+            "switched on before anything imports triton: set the environment variable "
+            "TRITON_INTERPRET=1 before `import minivllm` (first notebook cell: "
+            "`import os; os.environ['TRITON_INTERPRET'] = '1'`), or use "
+            'attention_backend="torch" (same results).'
+        )
+    if device.type != "cuda":
+        logger.warning("No GPU: the Triton kernels run in Triton's interpreter (slow, for learning).")
     from minivllm.kernels.paged_attention_v2 import paged_attention
     from minivllm.kernels.triton_reshape_and_cache import reshape_and_cache
 

@@ -7,4 +7,9 @@ import torch
 # Without a GPU the kernels then run on the CPU through Triton's interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("MPLBACKEND", "Agg")
+
+# Not MPLBACKEND=Agg in os.environ: nbval's notebook kernels would inherit it and lose
+# their inline figures. Selecting the backend in this process only is enough for tests.
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
