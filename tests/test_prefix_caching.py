@@ -1,0 +1,206 @@
+"""Automatic prefix caching: same tokens as without it, exact hit counts, sane eviction."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import all_blocks_free, greedy, hf_greedy, run_engine
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm import LLM
+from minivllm.core.block_pool import hash_block_tokens
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.model_loader import make_tiny_model
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=VOCAB)
+
+
+def run_both(model, prompts, lengths, **kw):
+    on = LLM(model, enable_prefix_caching=True, **kw)
+    off = LLM(model, enable_prefix_caching=False, **kw)
+    a, b = run_engine(on, prompts, lengths), run_engine(off, prompts, lengths)
+    assert all_blocks_free(on) and all_blocks_free(off)
+    return on, a, b
+
+
+def test_shared_system_prompt(model):
+    rng = random.Random(0)
+    system = [rng.randrange(VOCAB) for _ in range(70)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(10)]
+    lengths = [rng.randint(4, 12) for _ in prompts]
+    on, a, b = run_both(model, prompts, lengths, block_size=16)
+    assert a == b == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+    stats = on.llm_engine.kv_cache_manager.prefix_cache_stats
+    assert stats.hits >= 9 * 64  # every request after the first reuses the 4 full system blocks
+
+
+def test_multi_turn_chat_resending_history(model):
+    rng = random.Random(1)
+    history: list[int] = []
+    on = LLM(model, block_size=8)
+    off = LLM(model, block_size=8, enable_prefix_caching=False)
+    hits = []
+    for _turn in range(4):
+        history = history + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+        before = on.llm_engine.kv_cache_manager.prefix_cache_stats.hits
+        out_on = run_engine(on, [history], [6])[0]
+        out_off = run_engine(off, [history], [6])[0]
+        assert out_on == out_off == hf_greedy(model, history, 6)
+        hits.append(on.llm_engine.kv_cache_manager.prefix_cache_stats.hits - before)
+        history = history + out_on
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    assert hits == sorted(hits)  # each turn finds more of its history cached
+
+
+def test_identical_prompts_together_and_all_but_last_token(model):
+    base = list(range(3, 40))
+    prompts = [base, base, base, base[:-1] + [1], base[:-1] + [2]]
+    on, a, b = run_both(model, prompts, [5] * 5, block_size=4, max_num_batched_tokens=64)
+    assert a == b
+    assert a[0] == a[1] == a[2]
+
+
+def test_under_pressure_with_eviction_and_preemption(model):
+    rng = random.Random(2)
+    system = [rng.randrange(VOCAB) for _ in range(24)]
+    prompts = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(12)]
+    lengths = [rng.randint(5, 25) for _ in prompts]
+    on, a, b = run_both(model, prompts, lengths, block_size=4, num_kv_blocks=30, max_num_batched_tokens=48)
+    assert a == b
+    assert sum(len(s.preempted) for s in on.trace.steps) > 0
+    stats = on.llm_engine.kv_cache_manager.prefix_cache_stats
+    assert stats.hits > 0 and stats.preempted_queries > 0  # resumptions are counted apart
+
+
+def test_exact_hit_counts():
+    kv = KVCacheManager(num_blocks=20, block_size=16)
+    params = SamplingParams(max_tokens=4)
+    prefix = list(range(100, 148))  # 48 tokens = 3 full blocks
+    first = Request("a", prefix, params, 0.0)
+    blocks, hit = kv.get_computed_blocks(first)
+    assert hit == 0
+    assert kv.allocate_slots(first, 48) is not None
+    kv.free(first)  # freed, but its blocks stay cached
+
+    longer = Request("b", prefix + list(range(7)), params, 0.0)  # 55 tokens
+    blocks, hit = kv.get_computed_blocks(longer)
+    assert hit == 48 and len(blocks) == 3
+    same = Request("c", prefix, params, 0.0)  # identical 48 tokens: the last is recomputed
+    blocks, hit = kv.get_computed_blocks(same)
+    assert hit == 32
+    assert kv.prefix_cache_stats.queries == 48 + 55 + 48
+    assert kv.prefix_cache_stats.hits == 48 + 32
+
+
+def test_hash_is_a_chain_and_stable():
+    a = hash_block_tokens(None, [1, 2, 3, 4])
+    assert a == hash_block_tokens(None, [1, 2, 3, 4])
+    assert hash_block_tokens(a, [5, 6]) != hash_block_tokens(None, [5, 6])  # parent matters
+    # A fixed digest: the same in every process (not Python's salted hash()).
+    assert a.hex()[:16] == hash_block_tokens(None, (1, 2, 3, 4)).hex()[:16]
+    import hashlib
+    from array import array
+
+    assert a == hashlib.sha256(b"" + array("q", [1, 2, 3, 4]).tobytes()).digest()
+
+
+def test_eviction_is_least_recently_freed_and_tail_first():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    params = SamplingParams(max_tokens=1)
+    r = Request("r", [1, 2, 3, 4, 5, 6], params, 0.0)  # 3 full blocks
+    kv.get_computed_blocks(r)
+    kv.allocate_slots(r, 6)
+    ids = kv.get_block_ids("r")
+    kv.free(r)
+    pool = kv.block_pool
+    queue = list(pool.free_block_queue)
+    # Never-used blocks first, then r's tail block, then its middle, then its first block.
+    assert queue[-3:] == [ids[2], ids[1], ids[0]]
+    assert all(pool.blocks[i].block_hash is not None for i in ids)  # still cached
+    # Taking 4 new blocks evicts the 3 untouched ones and then r's tail block only.
+    other = Request("o", [9] * 8, params, 0.0)
+    kv.allocate_slots(other, 8)
+    h = r.block_hashes
+    assert pool.get_cached_block(h[2]) is None  # r's tail was evicted (the block reused)
+    assert pool.get_cached_block(h[0]).block_id == ids[0]
+    assert pool.get_cached_block(h[1]).block_id == ids[1]
+    kv.free(other)
+    # A hit on a free cached block takes it back out of the free queue.
+    again = Request("g", [1, 2, 3, 4, 9], params, 0.0)
+    blocks, hit = kv.get_computed_blocks(again)
+    assert hit == 4
+    kv.allocate_slots(again, 1, blocks)
+    assert ids[0] not in pool.free_block_queue and pool.blocks[ids[0]].ref_cnt == 1
+    kv.check_invariants()
+
+
+def test_shared_blocks_are_reference_counted(model):
+    llm = LLM(model, block_size=4)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(1, 18))}
+    engine.add_request("a", prompt, greedy(3))
+    engine.add_request("b", prompt, greedy(3))
+    engine.step()
+    last = llm.trace.steps[-1]
+    shared = {b for b, c in last.block_ref_counts.items() if c == 2}
+    assert len(shared) == 4  # 16 of 17 tokens: 4 full blocks shared by both requests
+    assert last.prefix_cache_hits == {"a": 0, "b": 16}
+    while engine.has_unfinished_requests():
+        engine.step()
+    pool = engine.kv_cache_manager.block_pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert all(b.block_id in pool.free_block_queue for b in pool.cached_blocks.values())
+
+
+def test_reset_prefix_cache_refuses_while_in_use(model):
+    llm = LLM(model, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": list(range(1, 10))}, greedy(5))
+    engine.step()
+    assert llm.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv_cache_manager.block_pool.cached_blocks
+    assert llm.reset_prefix_cache() is True
+    assert not engine.kv_cache_manager.block_pool.cached_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    num_blocks=st.integers(8, 40),
+    shapes=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12)), min_size=1, max_size=10),
+)
+def test_random_shared_prefix_workloads_keep_ref_counts_exact(block_size, num_blocks, shapes):
+    """Admit requests built from 3 shared prefixes, free them in a shuffled order."""
+    prefixes = [[1] * 16, [1] * 8 + [2] * 8, [3] * 16]
+    kv = KVCacheManager(num_blocks, block_size)
+    params = SamplingParams(max_tokens=1)
+    live = []
+    for i, (p, extra) in enumerate(shapes):
+        r = Request(str(i), prefixes[p] + [5 + i] * extra, params, 0.0)
+        hits, n = kv.get_computed_blocks(r)
+        assert n % block_size == 0 and n < r.num_tokens
+        r.num_computed_tokens = 0
+        if kv.allocate_slots(r, r.num_tokens - n, hits) is None:
+            continue
+        r.num_computed_tokens = r.num_tokens
+        live.append(r)
+        kv.check_invariants()
+    random.Random(len(shapes)).shuffle(live)
+    for r in live:
+        kv.free(r)
+        kv.check_invariants()
+    pool = kv.block_pool
+    assert pool.get_num_free_blocks() == num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert all(b.block_id in pool.free_block_queue for b in pool.cached_blocks.values())

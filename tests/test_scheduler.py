@@ -1,0 +1,164 @@
+"""Scheduler and block manager behaviour, driven without a model.
+
+A fake "runner" samples token 1 for every request that reaches the end of its known
+tokens, which is all the scheduler needs to see to move requests along.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.scheduler import Scheduler
+from minivllm.request import Request, RequestStatus
+from minivllm.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=1000, block_size=16, budget=1024, max_num_seqs=64, max_model_len=4096,
+                   chunked=True, caching=False) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    return Scheduler(kv, max_num_seqs, budget, max_model_len, chunked)
+
+
+def make_request(rid, prompt_len, max_tokens=8, first_token=0) -> Request:
+    ids = [(first_token + i) % 1000 for i in range(prompt_len)]
+    return Request(str(rid), ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), 0.0)
+
+
+def fake_step(sched: Scheduler):
+    out = sched.schedule()
+    sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}
+    sched.update_from_output(out, sampled)
+    return out
+
+
+def check_invariants(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    kv.check_invariants()  # free xor owned; ref counts == number of tables listing a block
+    assert len(sched.running) <= sched.max_num_seqs
+    for r in sched.running:
+        blocks = kv.req_to_blocks[r.request_id]
+        assert len(blocks) >= cdiv(r.num_computed_tokens, kv.block_size)
+    for r in sched.waiting:
+        assert r.request_id not in kv.req_to_blocks or not kv.req_to_blocks[r.request_id]
+
+
+def test_budget_split_three_long_prompts():
+    sched = make_scheduler(budget=1024)
+    for i in range(3):
+        sched.add_request(make_request(i, 800))
+    first = fake_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("0", 800), ("1", 224)]
+    second = fake_step(sched)
+    # Request 0 now decodes; request 1 finishes its prompt; request 2 starts with the rest.
+    assert [(s.request.request_id, s.num_new_tokens, s.is_prefill) for s in second.scheduled] == [
+        ("0", 1, False), ("1", 576, True), ("2", 447, True)
+    ]
+    third = fake_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens, s.is_prefill) for s in third.scheduled] == [
+        ("0", 1, False), ("1", 1, False), ("2", 353, True)
+    ]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget():
+    sched = make_scheduler(budget=1024, chunked=False)
+    for i in range(3):
+        sched.add_request(make_request(i, 800))
+    first = fake_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("0", 800)]
+    second = fake_step(sched)
+    # 1023 tokens of budget are left after the decode: the next prompt fits whole.
+    assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("0", 1), ("1", 800)]
+
+
+def test_max_num_seqs_is_never_exceeded():
+    sched = make_scheduler(max_num_seqs=3)
+    for i in range(10):
+        sched.add_request(make_request(i, 5, max_tokens=4))
+    while sched.has_unfinished_requests():
+        out = fake_step(sched)
+        assert len(out.scheduled) <= 3
+        assert len(sched.running) <= 3
+
+
+def test_preemption_victim_is_the_most_recently_admitted():
+    # 4 blocks of 4 tokens. Three 4-token prompts take 3 blocks; after one decode each
+    # needs a second block, and only one is free.
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    for i in range(3):
+        sched.add_request(make_request(i, 4, max_tokens=6))
+    fake_step(sched)  # prefill all three, each samples a token
+    out = fake_step(sched)
+    assert out.preempted == ["2", "1"] or out.preempted == ["2"]
+    assert out.preempted[0] == "2"
+    victim = sched.requests["2"]
+    assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert sched.waiting[0] is victim  # back at the front of the queue
+    assert victim.output_token_ids == [1]  # what it generated is kept for the recompute
+    check_invariants(sched)
+    while sched.has_unfinished_requests():
+        fake_step(sched)
+        check_invariants(sched)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 4
+    assert victim.num_output_tokens == 6 and victim.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_resumed_request_recomputes_prompt_and_outputs():
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    for i in range(3):
+        sched.add_request(make_request(i, 4, max_tokens=6))
+    fake_step(sched)
+    fake_step(sched)
+    steps = []
+    while sched.has_unfinished_requests():
+        steps.append(fake_step(sched))
+    resumed = [s for out in steps for s in out.scheduled if s.request.request_id == "2" and s.is_prefill]
+    # Its first chunk back covers the prompt plus the token it had generated.
+    assert resumed and resumed[0].num_computed_tokens == 0
+    assert resumed[0].num_new_tokens == 5
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    budget=st.integers(1, 96),
+    max_num_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+)
+def test_random_workloads_keep_invariants(data, block_size, budget, max_num_seqs, caching):
+    max_model_len = 64
+    num_blocks = data.draw(st.integers(cdiv(max_model_len, block_size), 3 * cdiv(max_model_len, block_size)))
+    sched = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len, caching=caching)
+    n = data.draw(st.integers(1, 12))
+    arrivals = sorted(data.draw(st.lists(st.integers(0, 20), min_size=n, max_size=n)))
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    outs = data.draw(st.lists(st.integers(1, 23), min_size=n, max_size=n))
+    # A few shared prefixes so the prefix cache sees hits.
+    firsts = data.draw(st.lists(st.sampled_from([0, 0, 7]), min_size=n, max_size=n))
+    aborts = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, n - 1)), max_size=4))
+    requests = [make_request(i, lengths[i], outs[i], firsts[i]) for i in range(n)]
+    step = 0
+    added = 0
+    while added < n or sched.has_unfinished_requests():
+        while added < n and arrivals[added] <= step:
+            sched.add_request(requests[added])
+            added += 1
+        for when, which in aborts:
+            r = requests[which]
+            if when == step and which < added and not r.is_finished:
+                sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
+        out = fake_step(sched)
+        assert out.num_scheduled_tokens <= budget
+        check_invariants(sched)
+        step += 1
+        assert step < 10_000, "no progress"
+    for r in requests:
+        assert r.is_finished
+        if r.status != RequestStatus.FINISHED_ABORTED:
+            assert r.num_output_tokens == r.sampling_params.max_tokens or r.num_tokens >= max_model_len
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not sched.kv_cache_manager.req_to_blocks
