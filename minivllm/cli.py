@@ -35,6 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     gen.set_defaults(func=_generate)
+    from minivllm.bench import add_arguments as add_bench_arguments
+    from minivllm.bench import run as run_bench
+
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,137 @@
+"""Benchmark functions on a tiny random model: they run, and the greedy outputs of every
+tool agree with minivllm's. No timings are asserted (they depend on the machine)."""
+
+import pytest
+
+from minivllm.bench import (
+    TOOLS,
+    chunked_prefill_benchmark,
+    engine_overhead,
+    kv_memory_report,
+    latency_benchmark,
+    plot_chunked_prefill,
+    plot_latency,
+    plot_memory,
+    plot_throughput,
+    replay,
+    throughput_benchmark,
+)
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.model_loader import make_tiny_model
+from minivllm.simulator import CostModel, make_simulated_engine
+from minivllm.workload import WorkloadRequest, make_workload
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_model("llama", seed=1)
+
+
+def test_throughput_all_tools_greedy_identical(tiny):
+    w = make_workload(None, 4, seed=0, prompt_len=(5, 40), output_len=(3, 12))
+    report = throughput_benchmark(w, tiny, None, TOOLS, static_batch_size=2,
+                                  engine_kwargs=dict(max_num_batched_tokens=32, device="cpu"), min_running=2)
+    assert [r.tool for r in report.results] == list(TOOLS)
+    assert report.matches == {"hf-generate": 4, "hf-static": 4, "hf-cb": 4}
+    assert all(r.output_tokens == sum(x.max_tokens for x in w) for r in report.results)
+    assert report.overhead["num_steps"] > 0 and 0 <= report.overhead["in_step"] < 1
+    table = report.table()
+    assert "one at a time" in table and "4/4" in table
+    plot_throughput(report)
+
+
+def test_tools_can_be_selected(tiny):
+    w = make_workload(None, 2, seed=1, prompt_len=(5, 10), output_len=3)
+    report = throughput_benchmark(w, tiny, None, ["minivllm"], engine_kwargs=dict(device="cpu"))
+    assert [r.tool for r in report.results] == ["minivllm"] and report.matches == {}
+    with pytest.raises(ValueError, match="unknown tools"):
+        throughput_benchmark(w, tiny, None, ["vllm"])
+
+
+def test_engine_overhead_from_trace(tiny):
+    engine = LLMEngine(EngineConfig(log_stats_interval=None, device="cpu"), tiny, None)
+    replay(engine, make_workload(None, 6, seed=2, prompt_len=(5, 20), output_len=5))
+    o = engine_overhead(engine.trace, min_running=6)
+    assert o["num_steps"] >= 1 and 0 <= o["in_step"] < 1
+    assert engine_overhead(engine.trace, min_running=100)["num_steps"] == 0
+
+
+def test_kv_memory_arithmetic():
+    w = [WorkloadRequest("a", [0] * 10, 6), WorkloadRequest("b", [0] * 17, 15)]  # 16 and 32 tokens
+    m = kv_memory_report(w, block_size=16, max_model_len=64, kv_bytes_per_token=1, kv_cache_memory=128)
+    assert (m["tokens_used"], m["paged_slots"], m["contiguous_slots"]) == (48, 48, 128)
+    assert m["paged_waste"] == 0 and m["contiguous_waste"] == pytest.approx(1 - 48 / 128)
+    assert m["fit_contiguous"] == 2
+    assert m["fit_paged"] == 5  # 8 blocks: 1 + 2 + 1 + 2 + 1, the next needs 2 and 1 is left
+    m = kv_memory_report(w, block_size=5, max_model_len=64)
+    assert m["paged_slots"] == 20 + 35
+    plot_memory(m)
+    with pytest.raises(ValueError, match="max_model_len"):
+        kv_memory_report(w, max_model_len=20)
+
+
+def test_latency_benchmark_real_and_simulated(tiny):
+    def real(**kw):
+        return LLMEngine(EngineConfig(log_stats_interval=None, device="cpu", **kw), tiny, None)
+
+    pts = latency_benchmark(real, [200.0], None, n=5, prompt_len=(5, 20), output_len=(2, 6))
+    assert pts[0].num_requests == 5 and not pts[0].simulated
+    cost = CostModel({"const": 0.02, "prefill_tokens": 1e-3, "decode_requests": 1e-3,
+                      "decode_context": 0.0, "prefill_attention": 0.0}, meta={})
+
+    def sim(**kw):
+        return make_simulated_engine(cost, **kw)
+
+    pts = latency_benchmark(sim, [1.0, 20.0], None, n=200, vocab_size=49152)
+    assert all(p.simulated and p.num_requests == 200 for p in pts)
+    assert all(p.ttft_p99 >= p.ttft_p50 and p.e2e_p99 >= p.e2e_p50 for p in pts)
+    # ten times the load on the same engine: requests wait longer (simulated time is exact)
+    assert pts[1].e2e_p50 > pts[0].e2e_p50
+    plot_latency(pts)
+
+
+def test_chunked_prefill_benchmark_runs(tiny):
+    def make(**kw):
+        return LLMEngine(EngineConfig(log_stats_interval=None, device="cpu", **kw), tiny, None)
+
+    res = chunked_prefill_benchmark(make, num_decodes=3, decode_prompt_len=8, decode_tokens=6,
+                                    long_prompt_len=100, inject_after_steps=2, chunk_budget=32)
+    off, on = res
+    assert not off.enable_chunked_prefill and off.max_num_batched_tokens == 103
+    assert on.enable_chunked_prefill and on.max_num_batched_tokens == 32
+    assert len(off.decode_itls) == len(on.decode_itls) == 3 * 5
+    plot_chunked_prefill(res)
+
+
+def test_chunked_prefill_simulated_removes_the_spike():
+    cost = CostModel({"const": 0.02, "prefill_tokens": 1e-3, "decode_requests": 1e-3,
+                      "decode_context": 0.0, "prefill_attention": 0.0}, meta={})
+
+    def make(**kw):
+        return make_simulated_engine(cost, **kw)
+
+    off, on = chunked_prefill_benchmark(make, long_prompt_len=1024, chunk_budget=256, vocab_size=49152)
+    # simulated seconds are exact: one 1024-token step against 256-token chunks
+    assert off.max_itl == pytest.approx(0.02 + 1.024 + 8e-3)
+    assert on.max_itl < off.max_itl / 3
+
+
+def test_cli_has_bench(capsys):
+    from minivllm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "throughput" in out and "--num-requests" in out and "--tools" in out
+
+
+@pytest.mark.slow
+def test_cli_bench_memory_and_simulate(capsys, tmp_path):
+    from minivllm.cli import main
+
+    assert main(["bench", "memory", "--figures", str(tmp_path)]) == 0
+    assert main(["bench", "simulate", "--num-requests", "50", "--figures", ""]) == 0
+    out = capsys.readouterr().out
+    assert "requests fit contiguous" in out and "50/50 requests finished" in out
+    assert (tmp_path / "bench_memory.png").exists()
