@@ -1,4 +1,4 @@
-"""The ``minivllm`` command: ``minivllm generate "prompt"`` (more subcommands join as they land)."""
+"""The ``minivllm`` command: ``minivllm generate "prompt"``, ``minivllm serve`` (more subcommands join as they land)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from minivllm.server import run_server
+
+    run_server(
+        args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+        model=args.model, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", default="smollm2-135m-instruct")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    srv.add_argument("--max-waiting", type=int, default=128,
+                     help="refuse new requests (HTTP 503) while this many are queued")
+    srv.add_argument("--max-num-seqs", type=int, default=64)
+    srv.add_argument("--max-num-batched-tokens", type=int, default=512)
+    srv.add_argument("--num-kv-blocks", type=int, default=None)
+    srv.add_argument("--block-size", type=int, default=16)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,542 @@
+"""An OpenAI-compatible HTTP server in front of the engine (notebook 10).
+
+    minivllm serve --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``"stream": true`` gives server-sent events in OpenAI's chunk format, ending with
+``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text).
+
+The engine itself lives in :class:`~minivllm.async_engine.AsyncLLMEngine`; this module
+only translates: JSON in, ``SamplingParams`` and prompts to the engine, outputs back to
+JSON, and every failure to OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}`` with the status a client expects:
+
+    400  malformed JSON, a wrong type, an invalid sampling value, a prompt that cannot
+         fit, max_tokens beyond the model's length, n > 1 (``param`` names the field)
+    401  a missing or wrong API key (when the server was started with one)
+    404  an unknown model name or path
+    503  more than ``max_waiting`` requests queued: retry later
+
+In vLLM: ``vllm/entrypoints/openai/api_server.py`` and ``serving_chat.py`` /
+``serving_completion.py``; ``vllm serve --api-key`` is the same flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minivllm.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from minivllm.engine import LLMEngine
+from minivllm.llm import LLM
+from minivllm.metrics import Counter, Gauge, Histogram
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+DEFAULT_MAX_WAITING = 128
+
+
+# -- errors ------------------------------------------------------------------------------
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return JSONResponse({"error": error}, status_code=self.status)
+
+
+def _bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed"}
+
+
+def _value_error(e: Exception, prompt_field: str) -> APIError:
+    """Turn the engine's ValueError into a 400 naming the field it is about."""
+    message = str(e)
+    first = re.match(r"\w+", message)
+    if first and first.group() in _SAMPLING_FIELDS | {"messages"}:
+        param = first.group()
+    elif "max_tokens" in message:
+        param = "max_tokens"
+    else:  # the engine's prompt checks: too long, empty, token ids out of range
+        param = prompt_field
+        message = f"{prompt_field}: {message}"
+    return _bad_request(message, param)
+
+
+# -- request bodies ----------------------------------------------------------------------
+class _SamplingFields(BaseModel):
+    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI's server does for
+    # clients newer than itself.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise _bad_request(f"n: only n=1 is supported, got {self.n}", "n")
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens or 0,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                seed=self.seed,
+            )
+        except ValueError as e:
+            raise _value_error(e, "prompt") from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+
+    def engine_prompt(self) -> str | dict:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            raise _bad_request("prompt: only one prompt per request is supported", "prompt")
+        if self.echo or self.logprobs is not None:
+            field = "echo" if self.echo else "logprobs"
+            raise _bad_request(f"{field}: not supported by this server", field)
+        return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    """The newer OpenAI name for max_tokens."""
+
+
+# -- metrics -----------------------------------------------------------------------------
+_HELP = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks in use (1 = full).",
+    "request_success": "Finished requests, by finish reason.",
+    "http_requests": "HTTP responses, by handler and status code.",
+}
+
+
+class EngineMetricsCollector:
+    """A Prometheus collector that turns ``get_metrics()`` records into metric families.
+
+    Records of one name (e.g. ``request_success`` for each finish reason) become one
+    family with one sample per label set. Names keep vLLM's colon style; Prometheus
+    allows colons, and ``prometheus_client`` adds ``_total`` to counters.
+    """
+
+    def __init__(self, records: list[Counter | Gauge | Histogram]) -> None:
+        self.records = records
+
+    def collect(self):
+        families: dict[str, Any] = {}
+        for rec in self.records:
+            labels = getattr(rec, "labels", None) or {}
+            family = families.get(rec.name)
+            if family is None:
+                kind = {Counter: CounterMetricFamily, Gauge: GaugeMetricFamily,
+                        Histogram: HistogramMetricFamily}[type(rec)]
+                doc = _HELP.get(rec.name.split(":")[-1], rec.name.split(":")[-1].replace("_", " "))
+                family = families[rec.name] = kind(rec.name, doc, labels=sorted(labels))
+            values = [labels[k] for k in sorted(labels)]
+            if isinstance(rec, Histogram):
+                buckets = [("+Inf" if le == float("inf") else repr(float(le)), n) for le, n in rec.buckets.items()]
+                family.add_metric(values, buckets, rec.sum)
+            else:
+                family.add_metric(values, rec.value)
+        yield from families.values()
+
+
+class _CountResponses:
+    """ASGI middleware counting responses by handler and status (for /metrics).
+
+    Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would get in the way of
+    streaming and of noticing client disconnects."""
+
+    def __init__(self, app: Callable, counts: dict[tuple[str, str], int], handlers: set[str]) -> None:
+        self.app, self.counts, self.handlers = app, counts, handlers
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        handler = scope["path"] if scope["path"] in self.handlers else "other"
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                key = (handler, str(message["status"]))
+                self.counts[key] = self.counts.get(key, 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# -- the app -----------------------------------------------------------------------------
+def build_app(
+    llm: LLM | LLMEngine | None = None,
+    *,
+    api_key: str | None = None,
+    max_waiting: int | None = DEFAULT_MAX_WAITING,
+    served_model_name: str | None = None,
+    **llm_kwargs: Any,
+) -> FastAPI:
+    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``; built from
+    ``llm_kwargs``, e.g. ``model=...``, ``max_num_seqs=...``, when None).
+
+    The app owns one :class:`AsyncLLMEngine`, started and stopped with the app's lifespan
+    and reachable as ``app.state.engine``. Use one app per server run; the engine itself
+    can be served again later by a fresh app.
+    """
+    if llm is None:
+        llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
+        llm = LLM(**llm_kwargs)
+    elif llm_kwargs:
+        raise TypeError(f"engine options {sorted(llm_kwargs)} only apply when build_app builds the LLM")
+    engine = llm.llm_engine if isinstance(llm, LLM) else llm
+    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    model_name = served_model_name or engine.config.model
+    http_counts: dict[tuple[str, str], int] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="minivllm", version="0.1.0", lifespan=lifespan)
+    app.state.engine = async_engine
+
+    # -- errors in OpenAI's shape --------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        if err["type"] == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return _bad_request(f"the request body is not valid JSON: {detail}").response()
+        loc = [str(x) for x in err["loc"] if x != "body"]
+        # For a union (prompt: str | list[int]) pydantic reports each branch; name the field.
+        param = loc[0] if loc else None
+        if param is None:
+            return _bad_request(f"the request body must be a JSON object: {err['msg']}").response()
+        return _bad_request(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500], param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return APIError(e.status_code, str(e.detail), kind).response()
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
+            raise APIError(401, "invalid or missing API key: send the header "
+                           "'Authorization: Bearer <key>'", "authentication_error",
+                           code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{model_name!r}", "not_found_error", "model", "model_not_found")
+
+    async def start(prompt: Any, params: SamplingParams, prefix: str, prompt_field: str) -> RequestStream:
+        try:
+            return await async_engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "server_error") from None
+        except (ValueError, TypeError) as e:
+            raise _value_error(e, prompt_field) from None
+
+    # -- endpoints -----------------------------------------------------------------------
+    v1 = [Depends(check_api_key)]
+
+    @app.get("/v1/models", dependencies=v1)
+    async def list_models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "minivllm", "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt = body.engine_prompt()
+        params = body.sampling_params(default_max_tokens=16)  # OpenAI's default here
+        stream = await start(prompt, params, "cmpl", "prompt")
+        head = {"id": stream.request_id, "object": "text_completion",
+                "created": int(time.time()), "model": model_name}
+
+        def choice(out: RequestOutput, text: str, final: bool) -> dict:
+            c = out.outputs[0]
+            return {"index": 0, "text": text, "logprobs": None,
+                    "finish_reason": c.finish_reason if final else None,
+                    "stop_reason": c.stop_reason if final else None}
+
+        if body.stream:
+            def chunk(out: RequestOutput) -> dict | None:
+                if not out.new_text and not out.finished:
+                    return None
+                return {**head, "choices": [choice(out, out.new_text, out.finished)]}
+            return _sse(stream, chunk, head, body)
+        out = await _unless_disconnected(request, _last(stream))
+        if out is None:
+            return Response(status_code=499)
+        result = {**head, "choices": [choice(out, out.outputs[0].text, True)], "usage": _usage(out)}
+        if body.return_token_ids:
+            result["choices"][0]["token_ids"] = out.outputs[0].token_ids
+        return JSONResponse(result)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if not body.messages:
+            raise _bad_request("messages: at least one message is needed", "messages")
+        if body.max_tokens is None and body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        params = body.sampling_params(default_max_tokens=None)  # as long as the model allows
+        messages = [m.as_template_input() for m in body.messages]
+        stream = await start(messages, params, "chatcmpl", "messages")
+        head = {"id": stream.request_id, "object": "chat.completion",
+                "created": int(time.time()), "model": model_name}
+
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            first = True
+
+            def chunk(out: RequestOutput) -> dict | None:
+                nonlocal first
+                delta: dict[str, str] = {}
+                if first:  # OpenAI's first chunk announces the role
+                    delta["role"] = "assistant"
+                    first = False
+                if out.new_text or "role" in delta:
+                    delta["content"] = out.new_text
+                if not delta and not out.finished:
+                    return None
+                reason = out.outputs[0].finish_reason if out.finished else None
+                return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": reason}]}
+            return _sse(stream, chunk, head, body)
+        out = await _unless_disconnected(request, _last(stream))
+        if out is None:
+            return Response(status_code=499)
+        c = out.outputs[0]
+        message = {"role": "assistant", "content": c.text}
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(out)})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.error is not None:
+            return APIError(500, f"the engine failed: {async_engine.error!r}", "server_error").response()
+        return JSONResponse({"status": "ok", "num_requests_running": async_engine.num_running,
+                             "num_requests_waiting": async_engine.num_queued})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        records = await async_engine.get_metrics() if async_engine.error is None else []
+        records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})
+                    for (h, s), n in sorted(http_counts.items())]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(EngineMetricsCollector(records))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    handlers = {r.path for r in app.routes if hasattr(r, "path")}
+    app.add_middleware(_CountResponses, counts=http_counts, handlers=handlers)
+    return app
+
+
+# -- helpers for the endpoints -------------------------------------------------------------
+def _usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
+    request in the engine) and return None. A plain endpoint never notices a disconnect
+    on its own: only streaming responses listen for one."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def _sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], head: dict,
+         body: _SamplingFields) -> StreamingResponse:
+    """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
+
+    When the client disconnects, Starlette cancels this generator while it waits for the
+    next output; ``stream.close()`` in ``finally`` then aborts the request.
+    """
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for out in stream:
+                data = chunk(out)
+                if data is not None:
+                    yield f"data: {json.dumps(data)}\n\n"
+                if out.finished and include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(out)})}\n\n"
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:  # the status line is long gone: report in-band
+            error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        finally:
+            stream.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+# -- running it ------------------------------------------------------------------------------
+class ServerThread:
+    """Serve an app with uvicorn on a background thread: for tests and notebooks.
+
+        with ServerThread(build_app(llm)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+    ``port=0`` picks a free port; the socket is bound here, before the thread starts,
+    so ``server.url`` is right at once and no other process can take the port.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        # A short graceful shutdown: streams still open after it are cut.
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.app = app
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="minivllm-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start; see the log above")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
+               max_waiting: int | None = DEFAULT_MAX_WAITING, **llm_kwargs: Any) -> None:
+    """Load the model and serve it until interrupted (what ``minivllm serve`` runs)."""
+    app = build_app(api_key=api_key, max_waiting=max_waiting, **llm_kwargs)
+    logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info")
