@@ -128,12 +128,20 @@ class AsyncLLMEngine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        for stream in list(self._streams.values()):
-            stream.put(EngineDeadError("the server is shutting down"))
-        self._streams.clear()
+        self.end_streams("the server is shutting down")
         if self.error is None:  # leave the engine clean for whoever uses it next
             await self.call(self._abort_all)
         await asyncio.to_thread(self._executor.shutdown, True)
+
+    def end_streams(self, reason: str) -> None:
+        """End every open stream with :class:`EngineDeadError` and abort its request, so
+        clients get a clear last message instead of a cut connection."""
+        for request_id, stream in self._streams.items():
+            stream.put(EngineDeadError(reason))
+            self._aborts.add(request_id)
+        self._streams.clear()
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def _abort_all(self) -> None:
         pending = list(self.engine.scheduler.requests)

@@ -290,6 +290,10 @@ def build_app(
             return _bad_request(f"the request body must be a JSON object: {err['msg']}").response()
         return _bad_request(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500], param).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return APIError(503, str(e), "service_unavailable").response()
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -315,8 +319,6 @@ def build_app(
             return await async_engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params)
         except EngineOverloadedError as e:
             raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
-        except EngineDeadError as e:
-            raise APIError(500, str(e), "server_error") from None
         except (ValueError, TypeError) as e:
             raise _value_error(e, prompt_field) from None
 
@@ -484,6 +486,17 @@ def _sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], h
 
 
 # -- running it ------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    """uvicorn's server, but on shutdown it first ends the open streams (each client gets
+    a last error event) rather than waiting for them and then cutting them off."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        if isinstance(engine, AsyncLLMEngine):
+            engine.end_streams("the server is shutting down")
+        await super().shutdown(sockets)
+
+
 class ServerThread:
     """Serve an app with uvicorn on a background thread: for tests and notebooks.
 
@@ -503,7 +516,7 @@ class ServerThread:
         # A short graceful shutdown: streams still open after it are cut.
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
         self.app = app
-        self.server = uvicorn.Server(config)
+        self.server = _Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minivllm-server", daemon=True)
 
@@ -539,4 +552,4 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None
     """Load the model and serve it until interrupted (what ``minivllm serve`` runs)."""
     app = build_app(api_key=api_key, max_waiting=max_waiting, **llm_kwargs)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
