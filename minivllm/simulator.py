@@ -238,7 +238,7 @@ def simulate(workload: Iterable, engine: LLMEngine | None = None, rss_every: int
     """
     from minivllm.bench import replay  # bench imports this module; import here, not at the top
 
-    engine = engine or make_simulated_engine(max_trace_steps=config.pop("max_trace_steps", 1000), **config)
+    engine = engine or make_simulated_engine(max_trace_steps=config.pop("max_trace_steps", 200), **config)
     ttft, e2e, tpot, rss = [], [], [], []
     counts = {"n": 0, "tokens": 0}
 
