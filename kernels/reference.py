@@ -48,7 +48,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """The first ``seq_len`` tokens of one sequence, made contiguous: ``[seq_len, H_kv, D]``."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
 def paged_attention(
