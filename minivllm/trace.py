@@ -83,6 +83,14 @@ class Trace:
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)
+        if self.max_steps is not None and step.step % self.max_steps == 0 and self.steps:
+            # A bounded trace also forgets requests that finished before its oldest step,
+            # so a long-running server or simulation keeps flat memory.
+            oldest = self.steps[0].start
+            self.requests = {
+                rid: m for rid, m in self.requests.items()
+                if m.finished_time is None or m.finished_time >= oldest
+            }
 
     def clear(self) -> None:
         self.steps.clear()
