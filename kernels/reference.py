@@ -90,19 +90,21 @@ def paged_attention(
         all_decodes = len(decodes) == len(q_lens)
         idx = torch.tensor(decodes, device=query.device)
         block_size = key_cache.shape[1]
-        num_blocks = -(-max(lens[s] for s in decodes) // block_size)
-        tables = block_tables[:, :num_blocks] if all_decodes else block_tables[idx, :num_blocks]
-        # Gather whole blocks with one index_select (far cheaper on a CPU than advanced
-        # indexing), then view as [B, H_kv, L, D] padded to the longest context.
-        flat = tables.reshape(-1).long()
-        shape = (len(decodes), num_blocks * block_size, num_kv_heads, head_dim)
-        valid = torch.arange(shape[1], device=query.device) < seq_lens[idx].unsqueeze(1)
-        # Padding lanes are masked out of the softmax, but they hold whatever the slots
-        # held (NaN is possible in an unwritten cache) and 0 * NaN poisons the sum: zero
-        # them in the gathered copy, in place.
-        pad = ~valid[:, :, None, None]
-        k = key_cache.index_select(0, flat).view(shape).masked_fill_(pad, 0).transpose(1, 2)
-        v = value_cache.index_select(0, flat).view(shape).masked_fill_(pad, 0).transpose(1, 2)
+        max_len = max(lens[s] for s in decodes)
+        tables = block_tables if all_decodes else block_tables[idx]
+        # The slot of every (sequence, position) up to the longest context, then one
+        # index_select (far cheaper on a CPU than advanced indexing) gathers K and V as
+        # [B, H_kv, L, D]. Positions past a sequence's end are masked out of the softmax,
+        # but 0 * NaN would still poison the sum if they read an unwritten slot, so they
+        # point at the sequence's own position 0, which always holds a real key.
+        pos = torch.arange(max_len, device=query.device)
+        lens_t = seq_lens[idx].unsqueeze(1)
+        slots = tables[:, pos // block_size].long() * block_size + pos % block_size
+        valid = pos < lens_t
+        slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
+        shape = (len(decodes), max_len, num_kv_heads, head_dim)
+        k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape).transpose(1, 2)
+        v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape).transpose(1, 2)
         rows = query_start_loc[idx].long()
         q = (query if all_decodes else query[rows]).unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
