@@ -774,9 +774,37 @@ def plot_cost_model_fit(cost_model, traces: Sequence[Trace], ax=None):
 
 
 # -- command line --------------------------------------------------------------------------
+def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
+                             engine_kwargs: dict | None = None) -> list[dict]:
+    """The same workload with prefix caching on and off, on one loaded model.
+
+    Returns one row per setting: prompt tokens actually computed (prefill work in the
+    trace), prefix-cache hit rate, mean TTFT, output tokens/s, and whether the greedy
+    outputs equal the first setting's.
+    """
+    rows, first = [], None
+    for caching in (True, False):
+        cfg = EngineConfig(log_stats_interval=None, enable_prefix_caching=caching, **(engine_kwargs or {}))
+        engine = LLMEngine(cfg, model, tokenizer)
+        res = run_minivllm(engine, workload)
+        ttfts = [m.ttft for m in engine.trace.requests.values() if m.ttft is not None]
+        first = first or res.token_ids
+        rows.append({
+            "prefix caching": "on" if caching else "off",
+            "prompt tokens": sum(r.num_prompt_tokens for r in workload),
+            "prompt tokens computed": sum(s.num_prefill_tokens for s in engine.trace.steps),
+            "hit rate": engine.kv_cache_manager.prefix_cache_stats.hit_rate,
+            "mean TTFT s": sum(ttfts) / len(ttfts),
+            "out tok/s": res.tokens_per_s,
+            "wall s": res.wall_s,
+            "same outputs": res.token_ids == first,
+        })
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``minivllm bench`` options (shared by ``python -m minivllm.bench``)."""
-    parser.add_argument("mode", choices=["throughput", "latency", "memory", "fit-simulator", "simulate"])
+    parser.add_argument("mode", choices=["throughput", "latency", "memory", "prefix", "fit-simulator", "simulate"])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests in the workload (default 32; simulate: 10000)")
@@ -857,6 +885,17 @@ def run(args: argparse.Namespace) -> int:
         m = kv_memory_report(workload, args.block_size, args.max_model_len)
         print(format_memory_report(m))
         _save(plot_memory(m), args, "bench_memory.png")
+    elif args.mode == "prefix":
+        from minivllm.model_loader import load_model
+
+        model, tok = load_model(args.model)
+        n = args.num_requests or 32
+        workload = chat_workload(tok, n, args.seed, prompt_len=(270, 330), output_len=(16, 64),
+                                 shared_prefix_len=256)
+        rows = prefix_caching_benchmark(workload, model, tok, engine_kwargs)
+        print(f"{n} chat requests sharing a 256-token system prompt (prompts 270-330 tokens, outputs 16-64):")
+        for row in rows:
+            print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
     elif args.mode == "fit-simulator":
         out = args.out or str(Path(__file__).parent / "data" / "cost_model_smollm2_cpu.json")
         res = fit_simulator(args.model, n=args.num_requests or 32, out_path=out,

@@ -135,3 +135,15 @@ def test_cli_bench_memory_and_simulate(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "requests fit contiguous" in out and "50/50 requests finished" in out
     assert (tmp_path / "bench_memory.png").exists()
+
+
+def test_prefix_caching_benchmark_saves_prefill_work(tiny):
+    from minivllm.bench import prefix_caching_benchmark
+
+    w = make_workload(None, 6, seed=3, prompt_len=(40, 50), output_len=4, shared_prefix_len=32)
+    on, off = prefix_caching_benchmark(w, tiny, None, dict(block_size=8, device="cpu"))
+    assert (on["prefix caching"], off["prefix caching"]) == ("on", "off")
+    assert off["prompt tokens computed"] == off["prompt tokens"] and off["hit rate"] == 0
+    # Every request after the first finds the 32 shared tokens (4 full blocks) cached.
+    assert on["prompt tokens computed"] <= on["prompt tokens"] - 5 * 32
+    assert on["hit rate"] > 0 and on["same outputs"] and off["same outputs"]
