@@ -24,13 +24,18 @@ from minivllm.core.scheduler import SchedulerOutput
 from minivllm.sampler import Sampler
 
 
+def kv_cache_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers decoder config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers, num_kv_heads, head_dim
+
+
 def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
     """K and V, every layer, every KV head: what one token costs in the cache."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * num_kv_heads * head_dim * itemsize
+    return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
 
 @dataclass
@@ -57,15 +62,13 @@ class ModelRunner:
         self.kv_cache_manager = kv_cache_manager
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.reshape_and_cache, self.paged_attention = get_attention_ops(attention_backend, device)
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
-        # Zeros, not empty: padded lanes of a gathered block are masked out of the softmax,
-        # but 0 * NaN would still poison the weighted sum of values.
+        # Zeros rather than empty: no attention path reads a slot before it is written, but
+        # a cache that starts defined keeps any such bug visible as wrong numbers, not NaN.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(num_layers)
         ]
         self.sampler = Sampler(seed)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import all_blocks_free, greedy, hf_greedy, random_workload, run_engine
@@ -76,8 +78,6 @@ def test_requests_added_while_others_decode(tiny):
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 def test_triton_backend_matches_torch_backend():
     if not torch.cuda.is_available():
-        import os
-
         assert os.environ.get("TRITON_INTERPRET") == "1"  # set in conftest
     model = make_tiny_model("llama", vocab_size=VOCAB)
     prompts, lengths = random_workload(4, VOCAB, seed=3, min_len=5, max_len=40, max_out=6)
@@ -148,12 +148,11 @@ def test_eos_stop_token_ids_min_tokens_and_length():
 
     # EOS: make the model's EOS the token it will produce, and it stops there unless ignored.
     llm.llm_engine.eos_token_id = stop_tok
-    for r in [llm]:
-        out = r.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
-        assert out.finish_reason == "stop" and out.stop_reason is None
-        assert out.token_ids == free_run.token_ids[: first + 1]
-        out = r.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
-        assert out.token_ids == free_run.token_ids
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert out.token_ids == free_run.token_ids[: first + 1]
+    out = llm.generate(prompt, greedy(20), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free_run.token_ids
 
 
 def test_max_model_len_ends_generation():
