@@ -19,6 +19,8 @@ Notebook 05 walks through this file next to the Triton kernels.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +53,102 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
+@dataclass
+class DecodeGroup:
+    """Decoding sequences attended in one batched SDPA call over gathered, padded K/V."""
+
+    rows: torch.Tensor | None
+    """Their query rows in the flat batch (None: every row, in order)."""
+    slots: torch.Tensor
+    """``[batch * length]`` cache slot of every (sequence, position) up to ``length``."""
+    valid: torch.Tensor
+    """``[batch, 1, 1, length]`` True where the position is inside the sequence."""
+    batch: int
+    length: int
+
+
+@dataclass
+class AttentionPlan:
+    """Everything about a step's batch that is the same in every layer, worked out once
+    per step instead of once per layer (vLLM's attention backends have a metadata
+    builder for the same reason). :func:`paged_attention` makes one when not given one."""
+
+    decode_groups: list[DecodeGroup]
+    prefills: list[tuple[int, int, int, int]]
+    """(sequence, first query row, query length, seq_len) of every multi-token sequence."""
+
+
+def plan_attention(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    min_group_tokens: int = 256,
+) -> AttentionPlan:
+    """Sort the sequences into prefills (one SDPA call each) and groups of decodes.
+
+    Decodes are batched: K/V are gathered as ``[batch, length]`` up to the longest
+    context in the group, so a short context next to a long one costs the long one's
+    reads. Sorting decodes by length and cutting the sorted list where that padding
+    would exceed ``min_group_tokens`` gathered tokens makes a few groups of similar
+    lengths: fewer bytes to copy and attend over, for one more SDPA call per group.
+    """
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    starts = query_start_loc[:-1].tolist()
+    lens = seq_lens.tolist()
+    prefills = [(s, starts[s], q, lens[s]) for s, q in enumerate(q_lens) if q > 1]
+    decodes = [s for s, q in enumerate(q_lens) if q == 1]
+    groups = []
+    if decodes:
+        by_len = sorted(decodes, key=lambda s: lens[s])
+        cuts = _cut_by_length([lens[s] for s in by_len], min_group_tokens)
+        if len(cuts) == 2:  # one group: keep batch order (and skip the row shuffle if all decode)
+            groups.append(_decode_group(decodes, lens, block_tables, query_start_loc, block_size,
+                                        in_order=len(decodes) == len(q_lens)))
+        else:
+            for a, b in zip(cuts, cuts[1:]):
+                groups.append(_decode_group(by_len[a:b], lens, block_tables, query_start_loc,
+                                            block_size, in_order=False))
+    return AttentionPlan(groups, prefills)
+
+
+def _cut_by_length(sorted_lens: list[int], min_group_tokens: int) -> list[int]:
+    """Boundaries ``[0, ..., n]`` of groups of ascending lengths. Walking down from the
+    longest, a new group starts when padding everything so far to the current group's
+    longest would waste more than ``min_group_tokens`` positions."""
+    n = len(sorted_lens)
+    cuts = [n]
+    top = sorted_lens[-1]
+    used = 0
+    for i in range(n - 1, -1, -1):
+        waste = (cuts[-1] - i) * top - used - sorted_lens[i]
+        if waste > min_group_tokens:
+            cuts.append(i + 1)
+            top, used = sorted_lens[i], 0
+        used += sorted_lens[i]
+    cuts.append(0)
+    return sorted(set(cuts))
+
+
+def _decode_group(seqs: list[int], lens: list[int], block_tables: torch.Tensor,
+                  query_start_loc: torch.Tensor, block_size: int, in_order: bool) -> DecodeGroup:
+    dev = block_tables.device
+    length = max(lens[s] for s in seqs)
+    idx = torch.tensor(seqs, device=dev)
+    tables = block_tables if in_order else block_tables[idx]
+    # The slot of every (sequence, position) up to the longest context; one
+    # index_select (far cheaper on a CPU than advanced indexing) then gathers K and V.
+    # Positions past a sequence's end are masked out of the softmax, but 0 * NaN would
+    # still poison the sum if they read an unwritten slot, so they point at the
+    # sequence's own position 0, which always holds a real key.
+    pos = torch.arange(length, device=dev)
+    slots = tables[:, pos // block_size].long() * block_size + pos % block_size
+    valid = pos < torch.tensor([lens[s] for s in seqs], device=dev).unsqueeze(1)
+    slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
+    rows = None if in_order else query_start_loc[idx].long()
+    return DecodeGroup(rows, slots, valid[:, None, None, :], len(seqs), length)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -59,6 +157,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flat batch of queries over a paged KV cache.
 
@@ -70,55 +169,40 @@ def paged_attention(
         query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's queries.
         seq_lens: ``[num_seqs]`` context length of each sequence including new tokens.
         scale: softmax scale, usually ``head_dim ** -0.5``.
+        plan: this batch's :func:`plan_attention` (the engine makes it once per step).
 
     Returns ``[num_tokens, num_heads, head_dim]``. Grouped-query attention is handled by
     letting ``num_heads`` be a multiple of ``num_kv_heads``.
 
-    Decodes (one query each) are batched into one SDPA call over gathered, padded K/V;
+    Decodes (one query each) are batched into SDPA calls over gathered, padded K/V;
     sequences with several queries (prefills and prefill chunks) get one call each.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     gqa = num_heads != num_kv_heads
-    out = torch.empty_like(query)
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    starts = query_start_loc[:-1].tolist()
-    lens = seq_lens.tolist()
+    if plan is None:
+        plan = plan_attention(block_tables, query_start_loc, seq_lens, key_cache.shape[1])
+    # One row per cached token (all KV heads side by side): index_select copies rows,
+    # and long rows copy much faster than [num_kv_heads, head_dim] slices.
+    flat_k = key_cache.view(-1, num_kv_heads * head_dim)
+    flat_v = value_cache.view(-1, num_kv_heads * head_dim)
+    out = None
+    for g in plan.decode_groups:
+        shape = (g.batch, g.length, num_kv_heads, head_dim)
+        k = flat_k.index_select(0, g.slots).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
+        v = flat_v.index_select(0, g.slots).view(shape).transpose(1, 2)
+        q = (query if g.rows is None else query[g.rows]).unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.valid, scale=scale, enable_gqa=gqa).squeeze(2)
+        if g.rows is None:
+            return o  # every sequence decodes: nothing else to do
+        if out is None:
+            out = torch.empty_like(query)
+        out[g.rows] = o
 
-    decodes = [s for s, q in enumerate(q_lens) if q == 1]
-    if decodes:
-        all_decodes = len(decodes) == len(q_lens)
-        idx = torch.tensor(decodes, device=query.device)
-        block_size = key_cache.shape[1]
-        max_len = max(lens[s] for s in decodes)
-        tables = block_tables if all_decodes else block_tables[idx]
-        # The slot of every (sequence, position) up to the longest context, then one
-        # index_select (far cheaper on a CPU than advanced indexing) gathers K and V as
-        # [B, H_kv, L, D]. Positions past a sequence's end are masked out of the softmax,
-        # but 0 * NaN would still poison the sum if they read an unwritten slot, so they
-        # point at the sequence's own position 0, which always holds a real key.
-        pos = torch.arange(max_len, device=query.device)
-        lens_t = seq_lens[idx].unsqueeze(1)
-        slots = tables[:, pos // block_size].long() * block_size + pos % block_size
-        valid = pos < lens_t
-        slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
-        shape = (len(decodes), max_len, num_kv_heads, head_dim)
-        k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape).transpose(1, 2)
-        v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).view(shape).transpose(1, 2)
-        rows = query_start_loc[idx].long()
-        q = (query if all_decodes else query[rows]).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=gqa
-        ).squeeze(2)
-        if all_decodes:
-            return o
-        out[rows] = o
-
-    for s, q_len in enumerate(q_lens):
-        if q_len <= 1:
-            continue
-        seq_len = lens[s]
-        q = query[starts[s] : starts[s] + q_len].transpose(0, 1)  # [H, q_len, D]
+    if out is None:
+        out = torch.empty_like(query)
+    for s, start, q_len, seq_len in plan.prefills:
+        q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         k = gather_kv(key_cache, block_tables[s], seq_len).transpose(0, 1)
         v = gather_kv(value_cache, block_tables[s], seq_len).transpose(0, 1)
         if q_len == seq_len:  # a whole prompt: plain causal attention
@@ -127,5 +211,5 @@ def paged_attention(
             pos_q = torch.arange(seq_len - q_len, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[starts[s] : starts[s] + q_len] = o.transpose(0, 1)
+        out[start : start + q_len] = o.transpose(0, 1)
     return out

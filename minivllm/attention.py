@@ -47,6 +47,8 @@ class AttentionMetadata:
     """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
     reshape_and_cache: Callable
     paged_attention: Callable
+    plan: reference.AttentionPlan | None = None
+    """What the PyTorch path works out once per step for all layers (None for Triton)."""
 
 
 def paged_attention_forward(
@@ -76,8 +78,9 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     md.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, md.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    extra = {} if md.plan is None else {"plan": md.plan}
     out = md.paged_attention(
-        q.contiguous(), key_cache, value_cache, md.block_tables, md.query_start_loc, md.seq_lens, scale
+        q.contiguous(), key_cache, value_cache, md.block_tables, md.query_start_loc, md.seq_lens, scale, **extra
     )
     return out.unsqueeze(0), None
 

@@ -32,7 +32,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +45,10 @@ from minivllm.workload import WorkloadRequest, chat_workload, make_workload, sum
 
 logger = logging.getLogger("minivllm")
 
-TOOLS = ("minivllm", "hf-generate", "hf-static", "hf-cb")
+TOOLS = ("minivllm", "minivllm-torch-linear", "hf-generate", "hf-static", "hf-cb")
 TOOL_LABELS = {
     "minivllm": "minivllm (continuous batching, paged KV)",
+    "minivllm-torch-linear": "minivllm, linear_backend='torch'",
     "hf-generate": "transformers generate(), one at a time",
     "hf-static": "transformers generate(), padded static batches",
     "hf-cb": "transformers continuous batching",
@@ -312,7 +313,7 @@ def throughput_benchmark(
     kwargs = {"log_stats_interval": None, **(engine_kwargs or {})}
     if isinstance(model, str):
         engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        baseline = load_model(model)[0] if set(tools) - {"minivllm"} else None
+        baseline = load_model(model)[0] if any(t.startswith("hf-") for t in tools) else None
         tokenizer = tokenizer or engine.tokenizer
     else:
         baseline = copy.deepcopy(model)
@@ -332,7 +333,13 @@ def throughput_benchmark(
         run_hf_generate(baseline, warm[:1], pad)
     logger.info("minivllm: %.1f s", results[0].wall_s)
     for tool in tools:
-        if tool == "hf-generate":
+        if tool == "minivllm-torch-linear":
+            # The same engine with the model's nn.Linear as is: how much of minivllm's lead
+            # is scheduling and paging, and how much the oneDNN matmul (minivllm.linear).
+            stock = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": "torch"}), engine.model, tokenizer)
+            run_minivllm(stock, warm)
+            results.append(replace(run_minivllm(stock, workload), tool=tool))
+        elif tool == "hf-generate":
             results.append(run_hf_generate(baseline, workload, pad))
         elif tool == "hf-static":
             results.append(run_hf_static(baseline, workload, static_batch_size, pad))
@@ -356,6 +363,7 @@ def throughput_benchmark(
         "machine": platform.machine(),
         "device": str(engine.device),
         "attention_backend": engine.attention_backend,
+        "linear_backend": engine.linear_backend,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_num_seqs": engine.config.max_num_seqs,
     }
@@ -373,7 +381,7 @@ def plot_throughput(report: ThroughputReport, ax=None):
     res = report.results[::-1]
     base = report.result("hf-generate")
     y = np.arange(len(res))
-    colors = ["tab:green" if r.tool == "minivllm" else "tab:gray" for r in res]
+    colors = ["tab:green" if r.tool.startswith("minivllm") else "tab:gray" for r in res]
     ax.barh(y, [r.tokens_per_s for r in res], color=colors)
     ax.set_yticks(y, [TOOL_LABELS.get(r.tool, r.tool) for r in res], fontsize=8)
     for yi, r in zip(y, res):
@@ -720,6 +728,7 @@ def fit_simulator(
         "processor": platform.processor(),
         "torch": torch.__version__,
         "attention_backend": engine.attention_backend,
+        "linear_backend": engine.linear_backend,
         "block_size": cfg.block_size,
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,

@@ -10,7 +10,7 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(args.model, attention_backend=args.attention_backend)
+    llm = LLM(args.model, attention_backend=args.attention_backend, linear_backend=args.linear_backend)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
     if args.raw:
@@ -31,7 +31,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, linear_backend=args.linear_backend,
     )
     return 0
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    gen.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     gen.set_defaults(func=_generate)
     from minivllm.bench import add_arguments as add_bench_arguments
     from minivllm.bench import run as run_bench
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--block-size", type=int, default=16)
     srv.add_argument("--max-model-len", type=int, default=None)
     srv.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    srv.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -24,6 +24,7 @@ from minivllm.attention import resolve_backend
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.linear import resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, SchedulerStats
 from minivllm.model_loader import DEFAULT_MODEL, load_model
 from minivllm.model_runner import ModelRunner, kv_cache_bytes_per_token
@@ -54,6 +55,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    """"auto": the model's linear layers run through oneDNN on a CPU (minivllm.linear), "torch": as is."""
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
@@ -91,6 +94,7 @@ class LLMEngine:
         else:
             device = torch.device(config.device)
         backend = resolve_backend(config.attention_backend, device)
+        linear = resolve_linear_backend(config.linear_backend, device, dtype)
         if model is None:
             model, tokenizer = load_model(config.model, dtype, device)
         else:
@@ -99,6 +103,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.attention_backend = backend
+        self.linear_backend = linear
         eos = model.generation_config.eos_token_id if model.generation_config else None
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -136,7 +141,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.model_runner = ModelRunner(model, self.kv_cache_manager, backend, device, dtype, config.seed)
+        self.model_runner = ModelRunner(
+            model, self.kv_cache_manager, backend, device, dtype, config.seed, linear_backend=linear
+        )
         self.trace = Trace(
             block_size=config.block_size,
             num_blocks=num_blocks,

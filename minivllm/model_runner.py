@@ -21,6 +21,8 @@ from transformers import PreTrainedModel
 from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attention_ops
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.kernels import reference
+from minivllm.linear import onednn_linear, plain_linears
 from minivllm.sampler import Sampler
 
 
@@ -55,6 +57,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        linear_backend: str = "torch",
     ) -> None:
         self.model = model
         self.device = device
@@ -62,6 +65,8 @@ class ModelRunner:
         self.kv_cache_manager = kv_cache_manager
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.reshape_and_cache, self.paged_attention = get_attention_ops(attention_backend, device)
+        # Swapped to oneDNN only for the engine's own forward passes (minivllm.linear).
+        self.onednn_linears = plain_linears(model) if linear_backend == "onednn" else []
         num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
@@ -103,14 +108,19 @@ class ModelRunner:
         def as_tensor(x, dtype=torch.int32):
             return torch.tensor(x, dtype=dtype, device=dev)
 
+        block_tables_t, query_start_loc_t, seq_lens_t = (
+            as_tensor(block_tables), as_tensor(query_start_loc), as_tensor(seq_lens)
+        )
         metadata = AttentionMetadata(
             slot_mapping=as_tensor(slots, torch.int64),
-            block_tables=as_tensor(block_tables),
-            query_start_loc=as_tensor(query_start_loc),
-            seq_lens=as_tensor(seq_lens),
+            block_tables=block_tables_t,
+            query_start_loc=query_start_loc_t,
+            seq_lens=seq_lens_t,
             kv_caches=self.kv_caches,
             reshape_and_cache=self.reshape_and_cache,
             paged_attention=self.paged_attention,
+            plan=(reference.plan_attention(block_tables_t, query_start_loc_t, seq_lens_t, bs)
+                  if self.paged_attention is reference.paged_attention else None),
         )
         inputs = dict(
             input_ids=as_tensor([input_ids], torch.int64),
@@ -123,11 +133,12 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs, logits_indices, requests = self.prepare_inputs(sched)
         t0 = time.perf_counter()
-        out = self.model(
-            **inputs,
-            use_cache=False,
-            logits_to_keep=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-        )
+        with onednn_linear(self.onednn_linears):
+            out = self.model(
+                **inputs,
+                use_cache=False,
+                logits_to_keep=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            )
         logits = out.logits[0]  # [num_sampling_requests, vocab]
         tokens = self.sampler(
             logits,

@@ -33,6 +33,7 @@ CONFIGS = {
     "budget512": dict(max_num_batched_tokens=512),
     "block1": dict(block_size=1, max_num_batched_tokens=64),
     "block32": dict(block_size=32),
+    "stock_linear": dict(linear_backend="torch"),
 }
 
 
