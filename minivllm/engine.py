@@ -161,9 +161,9 @@ class LLMEngine:
         )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
-            "%d tokens per request: %.2fx. Attention backend: %s on %s.",
+            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20, capacity,
-            self.max_model_len, capacity / self.max_model_len, backend, device,
+            self.max_model_len, capacity / self.max_model_len, backend, linear, device,
         )
 
     # -- requests in ------------------------------------------------------------------
