@@ -13,6 +13,10 @@ afterwards, so the weights stay where they are (no copy) and a plain ``model.gen
 outside the engine still runs stock PyTorch. That matters: stock ``generate()`` is the
 reference minivllm's greedy tokens are checked against.
 
+oneDNN compiles a kernel the first time it sees a shape (about 0.5 ms per weight shape
+and batch size, then cached; the cache holds 1,024 by default), so a step with a
+never-seen token count pays a few milliseconds once.
+
 The two libraries add up the same products in a different order, so logits differ in the
 last bits (about 1e-6 relative in float32), the same kind of difference batching itself
 makes; greedy tokens stay identical to ``generate()`` in the tests.

@@ -108,20 +108,20 @@ class ModelRunner:
         def as_tensor(x, dtype=torch.int32):
             return torch.tensor(x, dtype=dtype, device=dev)
 
-        block_tables_t, query_start_loc_t, seq_lens_t = (
-            as_tensor(block_tables), as_tensor(query_start_loc), as_tensor(seq_lens)
-        )
         metadata = AttentionMetadata(
             slot_mapping=as_tensor(slots, torch.int64),
-            block_tables=block_tables_t,
-            query_start_loc=query_start_loc_t,
-            seq_lens=seq_lens_t,
+            block_tables=as_tensor(block_tables),
+            query_start_loc=as_tensor(query_start_loc),
+            seq_lens=as_tensor(seq_lens),
             kv_caches=self.kv_caches,
             reshape_and_cache=self.reshape_and_cache,
             paged_attention=self.paged_attention,
-            plan=(reference.plan_attention(block_tables_t, query_start_loc_t, seq_lens_t, bs)
-                  if self.paged_attention is reference.paged_attention else None),
         )
+        if self.paged_attention is reference.paged_attention:
+            # Sorted into prefills and length-grouped decodes once here, not in every layer.
+            metadata.plan = reference.plan_attention(
+                metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, bs
+            )
         inputs = dict(
             input_ids=as_tensor([input_ids], torch.int64),
             position_ids=as_tensor([positions], torch.int64),
