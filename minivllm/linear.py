@@ -18,7 +18,7 @@ and batch size, then cached; the cache holds 1,024 by default), so a step with a
 never-seen token count pays a few milliseconds once.
 
 The two libraries add up the same products in a different order, so logits differ in the
-last bits (about 1e-6 relative in float32), the same kind of difference batching itself
+last bits (a few parts in a million in float32), the same kind of difference batching itself
 makes; greedy tokens stay identical to ``generate()`` in the tests.
 """
 
