@@ -63,8 +63,14 @@ class DecodeGroup:
     """``[batch * length]`` cache slot of every (sequence, position) up to ``length``."""
     valid: torch.Tensor
     """``[batch, 1, 1, length]`` True where the position is inside the sequence."""
-    batch: int
-    length: int
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[-1]
 
 
 @dataclass
@@ -127,7 +133,7 @@ def _cut_by_length(sorted_lens: list[int], min_group_tokens: int) -> list[int]:
             top, used = sorted_lens[i], 0
         used += sorted_lens[i]
     cuts.append(0)
-    return sorted(set(cuts))
+    return cuts[::-1]  # a group's first (longest) member never starts a new one: no repeats
 
 
 def _decode_group(seqs: list[int], lens: list[int], block_tables: torch.Tensor,
@@ -146,7 +152,7 @@ def _decode_group(seqs: list[int], lens: list[int], block_tables: torch.Tensor,
     valid = pos < torch.tensor([lens[s] for s in seqs], device=dev).unsqueeze(1)
     slots = torch.where(valid, slots, slots[:, :1]).reshape(-1)
     rows = None if in_order else query_start_loc[idx].long()
-    return DecodeGroup(rows, slots, valid[:, None, None, :], len(seqs), length)
+    return DecodeGroup(rows, slots, valid[:, None, None, :])
 
 
 def paged_attention(

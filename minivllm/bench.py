@@ -15,6 +15,8 @@ Every performance sentence in a notebook is one of these functions, re-runnable
   causes among running decodes, with chunked prefill off and on.
 - :func:`kv_memory_report`: paged blocks against contiguous max-length reservation, by
   arithmetic on the workload.
+- :func:`linear_benchmark`: the model's linear layers through ``nn.Linear`` and through
+  oneDNN (``minivllm.linear``), on this CPU.
 - :func:`fit_simulator`: measure the real runner, fit the simulator's cost model, check
   it on a held-out workload, save it (``minivllm/data/``).
 
@@ -785,6 +787,39 @@ def plot_cost_model_fit(cost_model, traces: Sequence[Trace], ax=None):
     return fig
 
 
+# -- the matmul library under the linear layers ---------------------------------------------
+@torch.inference_mode()
+def linear_benchmark(model, rows: Sequence[int] = (1, 32, 512), repeats: int = 3) -> list[dict]:
+    """Seconds for every decoder linear layer of ``model`` (not the vocabulary projection)
+    to multiply ``n`` rows, once through ``nn.Linear`` as it is and once through oneDNN
+    (``minivllm.linear``), best of ``repeats``. The layers run one after another as in a
+    forward pass, so each weight comes from memory rather than cache, as in a real step.
+    Whether ``linear_backend="auto"`` pays off on a given CPU is this ratio."""
+    from minivllm.linear import onednn_linear, plain_linears
+
+    output = model.get_output_embeddings()
+    linears = [m for m in plain_linears(model) if m is not output]
+    dtype = next(model.parameters()).dtype
+    results = []
+
+    def best(inputs: dict[int, torch.Tensor], swapped: list) -> float:
+        times = []
+        for _ in range(repeats):
+            with onednn_linear(swapped):
+                t = time.perf_counter()
+                for m in linears:
+                    m(inputs[m.in_features])
+                times.append(time.perf_counter() - t)
+        return min(times)
+
+    for n in rows:
+        inputs = {m.in_features: torch.randn(n, m.in_features, dtype=dtype) for m in linears}
+        torch_s, onednn_s = best(inputs, []), best(inputs, linears)
+        results.append({"rows": n, "layers": len(linears), "torch s": torch_s, "onednn s": onednn_s,
+                        "speed-up": torch_s / onednn_s})
+    return results
+
+
 # -- command line --------------------------------------------------------------------------
 def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
                              engine_kwargs: dict | None = None) -> list[dict]:
@@ -816,7 +851,8 @@ def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokeniz
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``minivllm bench`` options (shared by ``python -m minivllm.bench``)."""
-    parser.add_argument("mode", choices=["throughput", "latency", "memory", "prefix", "fit-simulator", "simulate"])
+    parser.add_argument("mode", choices=["throughput", "latency", "memory", "prefix", "linear", "fit-simulator",
+                                         "simulate"])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests in the workload (default 32; simulate: 10000)")
@@ -908,6 +944,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{n} chat requests sharing a 256-token system prompt (prompts 270-330 tokens, outputs 16-64):")
         for row in rows:
             print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+    elif args.mode == "linear":
+        from minivllm.linear import onednn_available
+        from minivllm.model_loader import load_model
+
+        if not onednn_available():
+            print("this PyTorch build has no oneDNN: linear_backend='auto' keeps nn.Linear")
+            return 1
+        model, _ = load_model(args.model)
+        print("every decoder linear layer once, weights from memory (best of 3):")
+        for r in linear_benchmark(model):
+            print(f"{r['rows']:>4} rows x {r['layers']} layers: nn.Linear {r['torch s'] * 1e3:7.1f} ms, "
+                  f"oneDNN {r['onednn s'] * 1e3:7.1f} ms, {r['speed-up']:.2f}x")
     elif args.mode == "fit-simulator":
         out = args.out or str(Path(__file__).parent / "data" / "cost_model_smollm2_cpu.json")
         res = fit_simulator(args.model, n=args.num_requests or 32, out_path=out,

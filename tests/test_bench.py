@@ -2,6 +2,7 @@
 tool agree with minivllm's. No timings are asserted (they depend on the machine)."""
 
 import pytest
+from torch import nn
 
 from minivllm.bench import (
     TOOLS,
@@ -9,6 +10,7 @@ from minivllm.bench import (
     engine_overhead,
     kv_memory_report,
     latency_benchmark,
+    linear_benchmark,
     plot_chunked_prefill,
     plot_latency,
     plot_memory,
@@ -17,6 +19,7 @@ from minivllm.bench import (
     throughput_benchmark,
 )
 from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.linear import onednn_available, plain_linears
 from minivllm.model_loader import make_tiny_model
 from minivllm.simulator import CostModel, make_simulated_engine
 from minivllm.workload import WorkloadRequest, make_workload
@@ -38,6 +41,16 @@ def test_throughput_all_tools_greedy_identical(tiny):
     table = report.table()
     assert "one at a time" in table and "4/4" in table
     plot_throughput(report)
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
+def test_linear_benchmark_times_both_backends(tiny):
+    rows = linear_benchmark(tiny, rows=(1, 8), repeats=1)
+    assert [r["rows"] for r in rows] == [1, 8]
+    decoder_linears = len(plain_linears(tiny)) - 1  # not the vocabulary projection
+    assert all(r["layers"] == decoder_linears for r in rows)
+    assert all(r["torch s"] > 0 and r["onednn s"] > 0 for r in rows)
+    assert all(type(m) is nn.Linear for m in plain_linears(tiny))  # swapped back afterwards
 
 
 def test_tools_can_be_selected(tiny):
