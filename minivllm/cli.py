@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     gen.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     gen.set_defaults(func=_generate)
-    from minivllm.bench import add_arguments as add_bench_arguments
-    from minivllm.bench import run as run_bench
+    from minivllm.bench.cli import add_arguments as add_bench_arguments
+    from minivllm.bench.cli import run as run_bench
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
     add_bench_arguments(bench)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from minivllm.bench import replay
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.model_loader import make_tiny_model
+from minivllm.replay import replay_workload
 from minivllm.simulator import (
     FEATURES,
     CostModel,
@@ -102,8 +102,8 @@ def test_same_scheduling_decisions_as_the_real_runner(num_blocks):
     workload = make_workload(None, 12, seed=7, prompt_len=(5, 70), output_len=(2, 14), vocab_size=512)
     real = LLMEngine(EngineConfig(**cfg), make_tiny_model("llama"), None)
     sim = make_simulated_engine(COST, **cfg)
-    replay(real, workload)
-    replay(sim, workload)
+    replay_workload(real, workload)
+    replay_workload(sim, workload)
 
     def decisions(engine):
         return [[(c.request_id, c.num_tokens, c.num_computed_tokens, c.is_prefill) for c in s.scheduled]
