@@ -195,13 +195,13 @@ def test_readme_notebook_map_matches_notebooks_folder() -> None:
 def test_readme_commands_exist_in_makefile() -> None:
     makefile = (ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.M))
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text() + (ROOT / "FACILITATOR.md").read_text()
     # `make X` in inline code, or a line of a code block starting with make X
     for target in set(re.findall(r"(?:^|`)make ([a-z][a-z-]*)\b", readme, re.M)):
         assert target in targets, (
             f"README mentions `make {target}`; the Makefile has no such target"
         )
-    assert {"lab", "test", "demo", "setup"} <= targets
+    assert {"lab", "test", "demo", "setup", "wheelhouse", "warmup"} <= targets
 
 
 def test_model_wheel_pin_agrees_everywhere() -> None:
