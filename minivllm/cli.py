@@ -36,6 +36,13 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    from minivllm.warmup import warmup
+
+    warmup(args.model, reconvert=args.reconvert, max_tokens=args.max_tokens)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     srv.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     srv.set_defaults(func=_serve)
+
+    warm = sub.add_parser("warmup", help="convert and cache the model before a session; say how long it took")
+    warm.add_argument("--model", default="smollm2-135m-instruct")
+    warm.add_argument("--max-tokens", type=int, default=16, help="length of the one test generation")
+    warm.add_argument("--reconvert", action="store_true",
+                      help="delete the cached conversion first (to time a first-time set-up)")
+    warm.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
