@@ -119,12 +119,12 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        elif isinstance(sampling_params, Sequence):
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValidationError(
                     "sampling_params",
-                    f"got {len(prompts)} prompts but {len(params)} sampling params; "
+                    f"got {len(prompts)} prompts but {len(params)} sampling_params; "
                     "pass one SamplingParams or one per prompt", len(params))
         else:
             raise ValidationTypeError(
