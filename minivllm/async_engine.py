@@ -204,7 +204,10 @@ class AsyncLLMEngine:
             if engine.tokenizer is None:
                 raise ValidationError(
                     "prompt", "this engine has no tokenizer: send token ids instead", prompt)
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+            try:
+                ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+            except Exception as e:  # e.g. a lone surrogate, which JSON can carry
+                raise ValidationError("prompt", f"the prompt cannot be tokenized: {e}", None) from None
             prompt = {"prompt": prompt, "prompt_token_ids": ids}
         if self.reject_over_length and isinstance(prompt, dict) and params.max_tokens is not None:
             n = len(prompt.get("prompt_token_ids", ()))

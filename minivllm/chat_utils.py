@@ -104,6 +104,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: Any
     except jinja2.TemplateError as e:
         raise ValidationError("messages", f"the chat template refused the messages: {e}",
                               None) from None
+    except (ValueError, TypeError) as e:  # the tokenizer, e.g. on a lone surrogate
+        raise ValidationError("messages", f"the messages cannot be tokenized: {e}", None) from None
     if hasattr(ids, "keys"):  # a BatchEncoding in recent transformers
         ids = ids["input_ids"]
     return list(ids)

@@ -365,6 +365,12 @@ def build_app(
             raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
         except (ValueError, TypeError) as e:
             raise _invalid(e, prompt_field) from None
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # preparing this one request failed: a 500 of its own
+            logger.exception("preparing a request failed")
+            raise APIError(500, f"the request could not be prepared: {e!r}", "server_error",
+                           code="request_failed") from None
 
     # -- endpoints -----------------------------------------------------------------------
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
@@ -413,9 +419,16 @@ def build_app(
               responses={**_json_and_sse(ChatCompletionResponse), **post_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if body.max_tokens is None and body.max_completion_tokens is not None:
+        renamed = body.max_tokens is None and body.max_completion_tokens is not None
+        if renamed:
             body.max_tokens = body.max_completion_tokens
-        params = sampling_params(body, default_max_tokens=None)  # as long as the model allows
+        try:
+            params = sampling_params(body, default_max_tokens=None)  # as long as the model allows
+        except APIError as e:
+            if renamed and e.param == "max_tokens":  # name the field the client sent
+                e.param, e.message = "max_completion_tokens", e.message.replace(
+                    "max_tokens", "max_completion_tokens", 1)
+            raise
         messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
         stream = await start(messages, params, "chatcmpl", "messages")
         head = {"id": stream.request_id, "object": "chat.completion",
