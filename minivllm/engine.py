@@ -372,9 +372,11 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched, result.sampled)
         now = self.clock()
         finished = []
+        got_token = []
         for request in updated:
             m = request.metrics
             if request.status is not RequestStatus.FINISHED_ERROR:  # it got a token
+                got_token.append(m)
                 m.token_times.append(now)
                 if m.first_token_time is None:
                     m.first_token_time = now
@@ -388,8 +390,7 @@ class LLMEngine:
                 self.stats.record_finished(m, request.finish_reason)
             outputs.append(self._make_output(request))
         self._record(sched, start, self.clock(), result.model_time, finished)
-        self.stats.record_step(sched.num_scheduled_tokens, len(sched.preempted),
-                               [r.metrics for r in updated])
+        self.stats.record_step(sched.num_scheduled_tokens, len(sched.preempted), got_token)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs

@@ -197,20 +197,21 @@ def test_the_sampler_isolates_a_row_with_nan_logits():
 def test_a_request_whose_sampling_fails_finishes_alone_with_an_error(tiny):
     llm = LLM(tiny, log_stats_interval=None)
     engine = llm.llm_engine
-    prompts = {"a": [1, 2, 3, 4], "poison": [9, 8, 7], "b": [20, 21, 22, 23, 24]}
+    prompts = {"a": [1, 2, 3, 4], "poison": [9, 8, 7], "b": [20, 21, 22, 23, 24], "poison0": [5, 5]}
     for rid, p in prompts.items():
         engine.add_request(rid, {"prompt_token_ids": p}, greedy(12))
-    engine.step()
-    # Break one request's sampling after it passed validation (a NaN temperature makes its
-    # distribution NaN): it must fail on its own at the next step.
-    poisoned = engine.scheduler.requests["poison"].sampling_params
-    poisoned.temperature = NAN
-    final = {}
+    # Break requests' sampling after they passed validation (a NaN temperature makes the
+    # distribution NaN): one before its first token, one after; each must fail on its own.
+    engine.scheduler.requests["poison0"].sampling_params.temperature = NAN
+    final = {o.request_id: o.outputs[0] for o in engine.step() if o.finished}
+    engine.scheduler.requests["poison"].sampling_params.temperature = NAN
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out.outputs[0]
-    assert final["poison"].finish_reason == "error" and "distribution" in final["poison"].error
+    for rid in ("poison", "poison0"):
+        assert final[rid].finish_reason == "error" and "distribution" in final[rid].error
+    assert final["poison0"].token_ids == [] and len(final["poison"].token_ids) == 1
     for rid in ("a", "b"):
         assert final[rid].finish_reason == "length"
         assert final[rid].token_ids == hf_greedy(tiny, prompts[rid], 12)
