@@ -537,7 +537,7 @@ def _sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], h
     When the client disconnects, Starlette cancels this generator while it waits for the
     next output; ``stream.close()`` in ``finally`` then aborts the request.
     """
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def events() -> AsyncIterator[str]:
         # The status line (200) is long gone when something fails: report it in-band, as

@@ -174,6 +174,12 @@ def test_bad_input_matrix_over_http(served, client):
     r = client.post(C, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 2}']),
                     headers={"Content-Type": "application/json"})
     assert r.status_code == 200, r.text
+    # stream_options with a stream is honoured (the usage chunk comes before [DONE]).
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", C, json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 2
     tried = len(CASES) + len(NOT_AUTHORIZED) + 4
     engine_is_fine(client, served)
     print(f"\nHTTP bad inputs tried: {tried}, clean 4xx rejections: {tried - 1} "
