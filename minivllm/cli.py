@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from minivllm.exceptions import ValidationError
+
 
 def _generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
@@ -28,7 +30,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     run_server(
         args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-        model=args.model, max_num_seqs=args.max_num_seqs,
+        max_request_bytes=args.max_request_bytes, model=args.model, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, linear_backend=args.linear_backend,
@@ -69,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     srv.add_argument("--max-waiting", type=int, default=128,
-                     help="refuse new requests (HTTP 503) while this many are queued")
+                     help="refuse new requests (HTTP 503) while this many wait for a seat")
+    srv.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                     help="refuse request bodies larger than this (HTTP 413; default 1 MiB)")
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-num-batched-tokens", type=int, default=512)
     srv.add_argument("--num-kv-blocks", type=int, default=None)
@@ -87,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     warm.set_defaults(func=_warmup)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValidationError as e:  # a bad option: say which, without a traceback
+        parser.exit(2, f"minivllm {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
