@@ -36,7 +36,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``minivllm`` command's parser (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one answer from the model")
@@ -71,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     srv.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"])
     srv.set_defaults(func=_serve)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
