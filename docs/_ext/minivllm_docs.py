@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import importlib
+import inspect
 import json
 import pkgutil
 import re
@@ -117,13 +118,11 @@ def static_widgets(notebook: dict, where: str) -> int:
 
 
 def _on_source_read(app: Sphinx, docname: str, source: list[str]) -> None:
-    if not app.env.doc2path(docname).suffix == ".ipynb":
+    if app.env.doc2path(docname).suffix != ".ipynb":
         return
     notebook = json.loads(source[0])
-    if static_widgets(notebook, docname):
-        source[0] = json.dumps(notebook)
-    elif "widgets" in notebook.get("metadata", {}):
-        notebook["metadata"].pop("widgets")
+    if "widgets" in notebook.get("metadata", {}):
+        static_widgets(notebook, docname)
         source[0] = json.dumps(notebook)
 
 
@@ -254,19 +253,31 @@ def _on_docstring(app, what, name, obj, options, lines: list[str]) -> None:
 
 
 def _on_signature(app, what, name, obj, options, signature, return_annotation):
-    """A dataclass field with ``default_factory=dict`` shows ``= <factory>`` in the
-    generated ``__init__``, which is no Python, so Sphinx splits the whole signature on
-    commas (``dict[str`` becomes a "type"). Write the factory call instead: ``= dict()``,
-    which is what each new instance gets."""
-    if not signature or "<factory>" not in signature or not dataclasses.is_dataclass(obj):
+    """Defaults whose repr is no Python (``= <factory>`` for a dataclass field with
+    ``default_factory=dict``, ``= <built-in function perf_counter>``) make Sphinx split
+    the whole signature on commas (``dict[str`` becomes a "type"). Write them as Python:
+    the factory call (``dict()``, what each new instance gets) or the function's dotted
+    name (``time.perf_counter``)."""
+    if not signature or "=<" not in signature.replace(" ", ""):
         return None
-    for f in dataclasses.fields(obj):
-        if f.default_factory is dataclasses.MISSING:
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            if f.default_factory is not dataclasses.MISSING:
+                factory = getattr(f.default_factory, "__name__", "")
+                call = f"{factory}()" if factory.isidentifier() else "..."
+                signature = re.sub(rf"(\b{f.name}\s*:[^=]*?=\s*)<factory>", rf"\g<1>{call}",
+                                   signature, count=1)
+    try:
+        parameters = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        parameters = ()
+    for p in parameters:
+        default = p.default
+        if p.default is inspect.Parameter.empty or not repr(default).startswith("<"):
             continue
-        factory = getattr(f.default_factory, "__name__", "")
-        call = f"{factory}()" if factory.isidentifier() else "..."
-        signature = re.sub(rf"(\b{f.name}\s*:[^=]*?=\s*)<factory>", rf"\g<1>{call}",
-                           signature, count=1)
+        module, qualname = getattr(default, "__module__", None), getattr(default, "__qualname__", None)
+        dotted = f"{module}.{qualname}" if module and qualname and "<" not in qualname else "..."
+        signature = signature.replace(repr(default), dotted)
     return signature, return_annotation
 
 
