@@ -46,6 +46,13 @@ extensions = [
 # that exist outside minivllm (torch.Tensor, str, ...), which have no page here because
 # intersphinx would download other projects' inventories.
 nitpicky = True
+# Except the annotations of the server's pydantic fields (minivllm.protocol): they carry
+# their JSON-schema bounds as ``Annotated[int, Field(...)]`` / ``bounded(int, ...)``,
+# which autodoc prints as a type but nothing can link to.
+nitpick_ignore_regex = [(r"py:(class|obj)", r".*Annotated\[.*"), (r"py:class", r"bounded")]
+# Several response models have a field called ``object`` (OpenAI's shapes); a bare
+# ``object`` in an annotation then matches them all, and the builtin is meant.
+suppress_warnings = ["ref.python"]
 
 # -- MyST and notebooks --------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist"]

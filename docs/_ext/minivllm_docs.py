@@ -126,6 +126,17 @@ def _on_source_read(app: Sphinx, docname: str, source: list[str]) -> None:
         source[0] = json.dumps(notebook)
 
 
+# The README and FACILITATOR.md link to each other by file name, which is right on GitHub
+# and in a checkout; on the site each is included into a page of its own (docs/index.md,
+# docs/facilitator.md), so the link must name that page instead.
+SITE_PAGES = {"README.md": "index.md", "FACILITATOR.md": "facilitator.md"}
+
+
+def _on_include_read(app: Sphinx, relative_path, parent_docname: str, content: list[str]) -> None:
+    for file, page in SITE_PAGES.items():
+        content[0] = content[0].replace(f"]({file})", f"]({page})")
+
+
 # -- {source} role -------------------------------------------------------------------
 
 
@@ -172,14 +183,15 @@ def _merge_source_links(app, env, docnames, other) -> None:
 def package_modules(root: Path) -> list[str]:
     """Every module that ``pip install`` installs: the packages pyproject.toml lists under
     ``[tool.setuptools] packages`` (``minivllm.kernels`` lives in ``kernels/``, which a
-    walk of ``minivllm/`` would miss) and the modules in each, sorted by name."""
+    walk of ``minivllm/`` would miss) and the modules in each, sorted by name. A
+    package's ``__main__`` is left out: importing it runs the program."""
     with open(root / "pyproject.toml", "rb") as f:
         packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
     names = set(packages)
     for package in packages:
         path = importlib.import_module(package).__path__
         names |= {f"{package}.{info.name}" for info in pkgutil.iter_modules(path)
-                  if not info.ispkg}
+                  if not info.ispkg and info.name != "__main__"}
     return sorted(names)
 
 
@@ -378,6 +390,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("missing-reference", _on_missing_reference)
     app.connect("warn-missing-reference", _on_warn_missing_reference)
     app.connect("source-read", _on_source_read)
+    app.connect("include-read", _on_include_read)
     app.connect("env-merge-info", _merge_source_links)
     app.connect("build-finished", _check_source_links)
     app.add_role("source", source_role)
