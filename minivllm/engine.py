@@ -123,15 +123,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-@dataclass
-class _OutputState:
-    """Per-request detokenization state kept by the engine (not by the scheduler)."""
-
-    detokenizer: IncrementalDetokenizer
-    sent: int = 0
-    """Characters of text already handed out in earlier outputs."""
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -225,7 +216,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_steps=config.max_trace_steps,
         )
-        self._states: dict[str, _OutputState] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        """Per-request output text and stop strings (the scheduler sees token ids only)."""
         self._finished_outputs: list[RequestOutput] = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._step_index = 0
@@ -313,7 +305,8 @@ class LLMEngine:
         now = self.clock()
         request = Request(request_id, ids, params, arrival_time if arrival_time is not None else now,
                           self.eos_token_id, text)
-        self._states[request_id] = _OutputState(IncrementalDetokenizer(self.tokenizer, ids))
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
+                                                                params.min_tokens)
         self.scheduler.add_request(request)
         self.trace.requests[request_id] = request.metrics
         return request
@@ -406,44 +399,23 @@ class LLMEngine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
 
     def _process_text(self, request: Request) -> None:
-        """Detokenize the new token; finish the request if a stop string appeared.
-
-        Stop strings are checked on every token, the last one allowed included: a stop
-        string completed by the token that also reached max_tokens ends the request with
-        "stop", not "length" (as in vLLM, the detokenizer's stop beats the length cap).
-        """
-        state = self._states[request.request_id]
-        delta = state.detokenizer.add_token(request.output_token_ids[-1])
-        params = request.sampling_params
-        if not params.stop or request.num_output_tokens < params.min_tokens:
+        """Detokenize the new token; finish the request if it completed a stop string."""
+        stop_terminated = request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH
+        stop = self._detokenizers[request.request_id].update(request.output_token_ids[-1],
+                                                              stop_terminated)
+        if stop is None:
             return
-        if request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH:
-            return  # EOS or a stop token ended it: nothing to decide
-        text = state.detokenizer.text
-        # Only the new text (plus an overlap the length of a stop string) can hold a new match.
-        begin = max(0, len(text) - len(delta) - max(map(len, params.stop)) + 1)
-        hits = [(text.find(s, begin), s) for s in params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            index, stop = min(hits)
-            state.detokenizer.text = text[:index]
-            request.stop_reason = stop
-            if request.is_finished:  # by length, this very token: its blocks are already free
-                request.status = RequestStatus.FINISHED_STOPPED
-            else:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        request.stop_reason = stop
+        if request.is_finished:  # by length, this very token: its blocks are already free
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        state = self._states[request.request_id]
-        text = state.detokenizer.text
-        visible = len(text)
-        if not request.is_finished and request.sampling_params.stop:
-            # Hold back what could be the start of a stop string until it is decided.
-            visible = max(state.sent, len(text) - max(map(len, request.sampling_params.stop)) + 1)
-        new_text = text[state.sent : visible]
-        state.sent = max(state.sent, visible)
+        detokenizer = self._detokenizers[request.request_id]
+        text, new_text = detokenizer.get_next_output_text(request.is_finished)
         if request.is_finished:
-            del self._states[request.request_id]
+            del self._detokenizers[request.request_id]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -451,7 +423,7 @@ class LLMEngine:
             outputs=[
                 CompletionOutput(
                     index=0,
-                    text=text[:visible],
+                    text=text,
                     token_ids=list(request.output_token_ids),
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
