@@ -18,6 +18,7 @@
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-x -k scheduler"
 #   PROMPT       the question `make demo` asks the chat model
 #   LAB_ARGS     extra JupyterLab arguments, e.g. LAB_ARGS="--no-browser --port 8889"
+#   DOCS_OUT     where `make docs` writes the site (default build/docs/html)
 #
 # The set-up itself is minivllm/install.py (standard library only), so that Windows,
 # which has no make, runs the same steps: python minivllm/install.py setup.
@@ -27,6 +28,7 @@ VENV        ?= .venv
 WHEELHOUSE  ?= $(if $(wildcard wheelhouse/*.whl),wheelhouse)
 PYTEST_ARGS ?=
 PROMPT      ?= What is the capital of France?
+DOCS_OUT    ?= build/docs/html
 # Jupyter refuses to run as root (common in containers) unless told it may.
 LAB_ARGS    ?= $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
@@ -40,15 +42,17 @@ TORCH_ARGS := $(if $(TORCH_SPEC),--torch-spec "$(TORCH_SPEC)") \
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
 .DEFAULT_GOAL := help
-.PHONY: help setup wheelhouse warmup lab test demo lint clean
+.PHONY: help setup wheelhouse warmup lab test demo docs browser lint clean
 
 help:
 	@echo "make lab        set up (first time: a few minutes), then open JupyterLab on notebooks/"
 	@echo "make test       set up, then ruff and pytest over tests/ and the notebooks (nbval)"
 	@echo "make demo       set up, then ask the embedded chat model \"$(PROMPT)\""
+	@echo "make docs       set up, then build the course website into $(DOCS_OUT) (offline)"
 	@echo "make setup      only create .venv and install everything (from WHEELHOUSE if set)"
 	@echo "make warmup     set up, then convert and cache the model and time one generation"
 	@echo "make wheelhouse download every wheel set-up needs into $(or $(WHEELHOUSE),wheelhouse)/"
+	@echo "make browser    install Debian's chromium and chromium-driver (root) for the browser tests"
 	@echo "make lint       ruff check ."
 	@echo "make clean      remove .venv and build/test caches (not the model cache, not wheelhouse/)"
 
@@ -86,6 +90,26 @@ test: setup
 
 demo: setup
 	$(BIN)/minivllm generate "$(PROMPT)"
+
+# The site: Sphinx reads the repository root (notebooks/, README.md, FACILITATOR.md where
+# they are) with the configuration in docs/, and renders the notebooks' stored outputs
+# without running them. A warning (broken reference, missing page or image) fails it.
+docs: setup
+	$(BIN)/sphinx-build -W --keep-going -q -b html -c docs . $(DOCS_OUT)
+	@echo "Site built: open $(DOCS_OUT)/index.html, or serve it with"
+	@echo "  $(BIN)/python -m http.server --directory $(DOCS_OUT) 8000   (then http://127.0.0.1:8000/)"
+
+# The browser tests drive the system's Chromium (a browser download at test time cannot
+# work offline). Installs Debian's packages where they are missing; needs root and apt.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		echo "chromium and chromedriver are installed."; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; \
+	else \
+		echo "Install Chromium and ChromeDriver (Debian/Ubuntu, as root: apt-get install chromium chromium-driver);"; \
+		echo "without them the browser tests skip."; exit 1; \
+	fi
 
 lint: setup
 	$(BIN)/ruff check .

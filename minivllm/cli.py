@@ -47,7 +47,8 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``minivllm`` command's parser (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one answer from the model")
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--reconvert", action="store_true",
                       help="delete the cached conversion first (to time a first-time set-up)")
     warm.set_defaults(func=_warmup)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
