@@ -311,7 +311,9 @@ class AsyncLLMEngine:
             stream.close()
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a final output, finish_reason "abort"."""
+        """Abort a request; its stream ends with a final output, finish_reason "abort".
+        Part of the vLLM-shaped API (``AsyncLLM.abort``): the server never calls it, as
+        closing a request's stream aborts it too."""
         self._aborts.add(request_id)
         if self._wakeup is not None:
             self._wakeup.set()
