@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyBboxPatch, Patch, Rectangle
 
@@ -120,9 +121,11 @@ def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False) -> N
         place = dict(loc="upper left", bbox_to_anchor=(0.0, 0.0), ncol=min(len(ids), 12))
     else:
         place = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(ids) <= 12 else 2)
-    legend = ax.legend(handles=handles, title="request (colour)", fontsize=7, title_fontsize=7,
-                       handlelength=1.0, borderaxespad=0.0, columnspacing=0.8, **place)
-    ax.add_artist(legend)
+    # An extra legend artist (not ax.legend) so that the axes keeps its own legend slot
+    # for the style key (prefill / decode / budget) beside it.
+    ax.add_artist(Legend(ax, handles, [h.get_label() for h in handles], title="request (colour)",
+                         fontsize=7, title_fontsize=7, handlelength=1.0, borderaxespad=0.0,
+                         columnspacing=0.8, **place))
 
 
 # -- the paged KV cache ---------------------------------------------------------------
@@ -288,18 +291,18 @@ def plot_batch_composition(
         Patch(facecolor="#999999", hatch=PREFILL_HATCH, edgecolor="white", label="prefill chunk"),
         Patch(facecolor="#999999", label="decode (1 token)"),
     ]
+    title = "Batch composition: tokens each request contributed per step"
     if budget <= 1.5 * top:
         tok_ax.axhline(budget, color="black", linestyle="--", linewidth=1)
         handles.append(Line2D([], [], color="black", linestyle="--", label=f"token budget ({budget})"))
         tok_ax.set_ylim(0, 1.15 * max(top, budget))
-    else:
+    else:  # drawn to scale, the budget line would flatten every bar: say it instead
         tok_ax.set_ylim(0, 1.15 * top)
-        tok_ax.text(0.01, 0.97, f"token budget {budget} per step: far above every step here",
-                    transform=tok_ax.transAxes, fontsize=8, va="top")
+        title += f"\n(the token budget, {budget} per step, is far above every step here)"
     tok_ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8,
                   borderaxespad=0.0)
     tok_ax.set_ylabel("tokens in the batch")
-    tok_ax.set_title("Batch composition: tokens each request contributed per step", fontsize=10)
+    tok_ax.set_title(title, fontsize=10)
     axes = [tok_ax]
     if seat_ax is not None:
         most = max(len(r.scheduled) for r in trace.steps)
@@ -623,18 +626,19 @@ def plot_memory_waste(
 
 
 def pick_steps(trace: Trace, k: int = 4) -> list[int]:
-    """Up to ``k`` steps worth a look (indices into ``trace.steps``), in order: the
-    first, the first preemption, the one with the most requests, the fullest KV cache,
-    and the last."""
+    """Up to ``k`` steps worth a look (indices into ``trace.steps``), in time order. In
+    order of preference: the first, the first preemption, the first step a request
+    finished in, the fullest KV cache, the most requests, the middle one, the last."""
     steps = list(trace.steps)
     if not steps:
         raise ValueError("the trace has no steps yet: run the engine (e.g. llm.generate) first")
     index = range(len(steps))
     candidates = [0]
     candidates += [i for i in index if steps[i].preempted][:1]
-    candidates.append(max(index, key=lambda i: (len(steps[i].scheduled), -i)))
+    candidates += [i for i in index if steps[i].finished][:1]
     candidates.append(max(index, key=lambda i: (steps[i].kv_cache_usage, -i)))
-    candidates.append(len(steps) - 1)
+    candidates.append(max(index, key=lambda i: (len(steps[i].scheduled), -i)))
+    candidates += [len(steps) // 2, len(steps) - 1]
     return sorted(list(dict.fromkeys(candidates))[:k])  # the first k distinct, in time order
 
 
@@ -693,7 +697,7 @@ def _replay_figure(trace: Trace, step: int, request_id: str | None = None) -> Fi
     tok_ax = fig.add_subplot(grid[0, 1])
     seat_ax = fig.add_subplot(grid[1, 1], sharex=tok_ax)
     plot_block_table(trace, step, request_id, ax=left)
-    plot_batch_composition(trace, ax=(tok_ax, seat_ax), highlight_step=step, key=False)
+    plot_batch_composition(trace, ax=(tok_ax, seat_ax), highlight_step=step)
     record = trace.steps[step]
     parts = [f"{c.request_id}: {'prefill' if c.is_prefill else 'decode'} {c.num_tokens}"
              for c in record.scheduled[:8]]
@@ -960,7 +964,8 @@ class SavedFigure(os.PathLike):
         return str(self.path)
 
     def __repr__(self) -> str:
-        return f"SavedFigure({str(self.path)!r})"
+        # The folder and the name, not the absolute path: notebooks store this text.
+        return f"<figure saved to {self.path.parent.name}/{self.path.name}>"
 
     def __eq__(self, other: object) -> bool:
         return self.path == Path(other) if isinstance(other, (str, os.PathLike)) else NotImplemented
