@@ -526,7 +526,7 @@ def plot_ttft_breakdown(trace: Trace, ax: Axes | None = None) -> Figure:
     ax.set_ylabel("request")
     ax.legend(handles=[Patch(facecolor=WAITING_COLOR, label="queue time (waiting for a seat)"),
                        Patch(facecolor=PREFILL_COLOR, label="prefill time (computing the prompt)")],
-              loc="lower right", fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
     ax.set_title("Time to first token = queue time + prefill time (label: the TTFT)", fontsize=10)
     return fig
 
@@ -857,8 +857,9 @@ def plot_flat_batch(
     end to end (no padding), with its ``input_ids``, its ``positions`` in its own
     sequence and its ``slot_mapping`` (the cache slot its K/V are written to:
     ``block_table[position // block_size] * block_size + position % block_size``).
-    Thick lines are the ``query_start_loc`` boundaries; stars mark ``logits_indices``,
-    the tokens whose logits are computed (the last of each request that samples).
+    Thick lines are the ``query_start_loc`` boundaries; dashed ones mark where a request's
+    positions enter a new cache block; stars mark ``logits_indices``, the tokens whose
+    logits are computed (the last of each request that samples).
     Bottom: per sequence, ``seq_lens`` (tokens in the cache after the step) and the block
     table (padded with 0 to the longest; only the first ``ceil(seq_len / block_size)``
     entries are real). Pass plain sequences or tensors, e.g. from
@@ -899,33 +900,39 @@ def plot_flat_batch(
         ax.plot([qsl[s], qsl[s]], [-0.2, 3.1], color="black", linewidth=2.2, gid=f"qsl:{s}")
         ax.text(qsl[s], -0.35, str(qsl[s]), ha="center", va="bottom", fontsize=7, fontweight="bold")
     ax.text(-0.3, -0.3, "query_start_loc", ha="right", va="bottom", fontsize=8, family="monospace")
-    # the sequences, one line each, under the batch
-    width = max(map(len, tables), default=0)
+    # where a sequence's positions enter a new cache block (its slots may jump anywhere)
+    for t in range(n):
+        if t != qsl[owner[t]] and pos[t] % block_size == 0:
+            ax.plot([t - 0.025, t - 0.025], [2.0, 3.0], color="black", linestyle="--", linewidth=1.2,
+                    gid=f"new_block:{t}")
+    # the sequences, under the batch: a line of text, then the block table
     y0 = 4.6
     ax.text(-0.3, y0, "per sequence:", ha="right", va="center", fontsize=8)
     for s in range(nseq):
-        y = y0 + 1.05 * s
+        y = y0 + 2.0 * s
         q_len = qsl[s + 1] - qsl[s]
         kind = "decode" if q_len == 1 and lens[s] > 1 else \
             "prefill" if q_len == lens[s] else "prefill chunk"
-        ax.text(0, y, f"request {request_ids[s]}: {kind}, {q_len} new token(s), "
-                      f"seq_lens = {lens[s]}; block table:", fontsize=8, va="center",
-                color="black")
         real = math.ceil(lens[s] / block_size)
-        x0 = min(n, 22)
+        ax.text(0, y, f"request {request_ids[s]}: {kind}, {q_len} new token(s) at positions "
+                      f"{pos[qsl[s]]}-{pos[qsl[s + 1] - 1]}, seq_lens = {lens[s]}; its block table "
+                      f"(block i holds positions {block_size}i to {block_size}i+{block_size - 1}):",
+                fontsize=8, va="center")
         for j, b in enumerate(tables[s]):
-            cell = Rectangle((x0 + 0.9 * j, y - 0.4), 0.85, 0.8, facecolor=request_color(request_ids[s])
-                             if j < real else "white", edgecolor="#555555", linewidth=0.5,
-                             alpha=0.8 if j < real else 1.0)
+            cell = Rectangle((0.9 * j, y + 0.45), 0.85, 0.8,
+                             facecolor=request_color(request_ids[s]) if j < real else "white",
+                             edgecolor="#555555", linewidth=0.5, alpha=0.8 if j < real else 1.0)
             cell.set_gid(f"table:{s}:{j}")
             ax.add_patch(cell)
-            ax.text(x0 + 0.9 * j + 0.42, y, str(b), ha="center", va="center", fontsize=7,
+            ax.text(0.9 * j + 0.42, y + 0.85, str(b), ha="center", va="center", fontsize=7,
                     color="white" if j < real else "#999999")
-    ax.set_xlim(-7.5, max(n, min(n, 22) + 0.9 * width) + 0.5)
-    ax.set_ylim(y0 + 1.05 * nseq + 0.2, -0.8)
+    width = max(map(len, tables), default=0)
+    ax.set_xlim(-7.5, max(n, 0.9 * width, 24) + 0.5)
+    ax.set_ylim(y0 + 2.0 * nseq, -0.8)
     ax.axis("off")
     handles = [Patch(facecolor=request_color(r), alpha=0.5, label=f"request {r}") for r in request_ids]
     handles.append(Line2D([], [], color="black", marker="*", linestyle="", label="logits computed"))
+    handles.append(Line2D([], [], color="black", linestyle="--", label="a new cache block begins"))
     handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(f"One step's flat batch: {n} tokens of {nseq} requests, block size {block_size}",
