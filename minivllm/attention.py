@@ -3,19 +3,32 @@
 transformers lets a program register its own attention function under a name
 (``AttentionInterface``). minivllm registers ``"minivllm"``: every attention layer of a
 stock Llama / Qwen2 / Mistral then calls :func:`paged_attention_forward` with its
-freshly projected (and rotated) queries, keys and values. That function writes the new
-keys and values into the paged KV cache and attends over the cache through the block
-tables. The model code stays untouched; the engine owns memory.
+freshly projected (and rotated) queries, keys and values, and that function makes one
+call: :meth:`AttentionBackend.forward`, which writes the new keys and values into the
+paged KV cache and attends over the cache through the block tables. The model code stays
+untouched; the engine owns memory.
 
-The per-step metadata travels as an explicit keyword argument of the forward call
-(``attn_metadata=...``), which transformers passes down to every attention layer. No
-global context.
+An attention backend is an object with the few operations the model runner needs:
+
+- :meth:`~AttentionBackend.build_metadata`, once per step: from the step's common
+  metadata (:class:`AttentionMetadata`) to what this backend's kernels read;
+- :meth:`~AttentionBackend.forward`, once per layer: ``write_kv`` then ``attend``.
+
+:class:`TorchAttentionBackend` runs the PyTorch reference (``kernels/reference.py``,
+the CPU serving path); :class:`TritonAttentionBackend` runs the Triton kernels. vLLM
+spreads each backend over three classes (``AttentionBackend`` names the parts,
+``AttentionMetadataBuilder.build`` makes the per-step metadata, ``AttentionImpl.forward``
+writes K/V and attends; vllm/v1/attention/backends/); one object does here.
+
+The backend and the step's metadata travel as explicit keyword arguments of the forward
+call (``attn_backend=..., attn_metadata=...``), which transformers passes down to every
+attention layer. No global context.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +43,14 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "minivllm"
 BACKENDS = ("auto", "torch", "triton")
 
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""One layer's (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens go and what they may attend to (vLLM's names)."""
+    """Where this step's tokens go and what they may attend to, the same for every
+    backend and every layer (vLLM's ``CommonAttentionMetadata``)."""
 
     slot_mapping: torch.Tensor
     """[num_tokens] flat cache slot of each new token: block_id * block_size + offset."""
@@ -43,12 +60,104 @@ class AttentionMetadata:
     """[num_seqs + 1] where each sequence's tokens start in the flat batch (cu_seqlens_q)."""
     seq_lens: torch.Tensor
     """[num_seqs] tokens in the cache for each sequence after this step."""
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per layer (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    reshape_and_cache: Callable
-    paged_attention: Callable
-    plan: reference.AttentionPlan | None = None
-    """What the PyTorch path works out once per step for all layers (None for Triton)."""
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    plan: reference.AttentionPlan
+    """The batch sorted into prefills and length-grouped decodes, worked out once per
+    step for all layers."""
+
+
+class AttentionBackend(ABC):
+    """Paged attention over one engine's KV cache: per step, build the metadata; per
+    layer, store the new keys and values and attend."""
+
+    name: str
+
+    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
+        self.kv_caches = kv_caches
+        """Per layer (key_cache, value_cache), allocated by the model runner."""
+
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        """Once per step: what this backend's kernels need beyond the common metadata."""
+        return common
+
+    def forward(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Once per layer. ``query`` ``[num_tokens, num_heads, head_dim]``, ``key`` and
+        ``value`` ``[num_tokens, num_kv_heads, head_dim]``; returns the attention output
+        shaped like ``query``. The keys are stored first, so every query sees the keys of
+        its own sequence's new tokens (causality is the kernels' job)."""
+        key_cache, value_cache = self.kv_caches[layer_idx]
+        self.write_kv(key, value, key_cache, value_cache, metadata)
+        return self.attend(query, key_cache, value_cache, metadata, scale)
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Store the new keys and values at ``metadata.slot_mapping`` (vLLM: reshape_and_cache)."""
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of the flat batch of queries over the paged cache."""
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The PyTorch reference: SDPA over gathered K/V, the engine's CPU path."""
+
+    name = "torch"
+
+    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        block_size = self.kv_caches[0][0].shape[1]
+        plan = reference.plan_attention(common.block_tables, common.query_start_loc, common.seq_lens, block_size)
+        return TorchAttentionMetadata(common.slot_mapping, common.block_tables, common.query_start_loc,
+                                      common.seq_lens, plan)
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata) -> None:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def attend(self, query, key_cache, value_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
+        return reference.paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                         metadata.query_start_loc, metadata.seq_lens, scale, plan=metadata.plan)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels: ``triton_reshape_and_cache`` and the unified ``paged_attention_v2``.
+    Their grid comes from the common metadata, so there is nothing more to build per step."""
+
+    name = "triton"
+
+    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
+        if device.type != "cuda" and not interpreting():
+            # Triton's interpreter must be chosen before triton is first imported, and
+            # `import minivllm` already imports it (through transformers and torch), so
+            # it is too late to switch here.
+            raise RuntimeError(
+                'attention_backend="triton" on a CPU runs Triton\'s interpreter, which must be '
+                "switched on before anything imports triton: set the environment variable "
+                "TRITON_INTERPRET=1 before `import minivllm` (first notebook cell: "
+                "`import os; os.environ['TRITON_INTERPRET'] = '1'`), or use "
+                'attention_backend="torch" (same results).'
+            )
+        if device.type != "cuda":
+            logger.warning("No GPU: the Triton kernels run in Triton's interpreter (slow, for learning).")
+        super().__init__(kv_caches, device)
+        # Imported here, not at the top: triton exists on Linux only, and `import
+        # minivllm` must work everywhere.
+        from minivllm.kernels.paged_attention_v2 import paged_attention
+        from minivllm.kernels.triton_reshape_and_cache import reshape_and_cache
+
+        self._reshape_and_cache = reshape_and_cache
+        self._paged_attention = paged_attention
+
+    def write_kv(self, key, value, key_cache, value_cache, metadata) -> None:
+        self._reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def attend(self, query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+        return self._paged_attention(query, key_cache, value_cache, metadata.block_tables,
+                                     metadata.query_start_loc, metadata.seq_lens, scale)
 
 
 def paged_attention_forward(
@@ -59,6 +168,7 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    attn_backend: AttentionBackend | None = None,
     attn_metadata: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -68,20 +178,15 @@ def paged_attention_forward(
     value ``[1, num_kv_heads, num_tokens, head_dim]``: the whole flat batch is one
     "sequence" of ``num_tokens``. Returns ``[1, num_tokens, num_heads, head_dim]``.
     """
-    if attn_metadata is None:
+    if attn_backend is None or attn_metadata is None:
         raise RuntimeError(
-            "the minivllm attention implementation needs attn_metadata; "
+            "the minivllm attention implementation needs attn_backend and attn_metadata; "
             "call the model through minivllm's ModelRunner"
         )
-    md = attn_metadata
-    key_cache, value_cache = md.kv_caches[module.layer_idx]
-    q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
-    md.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, md.slot_mapping)
+    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    extra = {} if md.plan is None else {"plan": md.plan}
-    out = md.paged_attention(
-        q.contiguous(), key_cache, value_cache, md.block_tables, md.query_start_loc, md.seq_lens, scale, **extra
-    )
+    out = attn_backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               attn_metadata, scale)
     return out.unsqueeze(0), None
 
 
@@ -109,24 +214,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def get_attention_ops(backend: str, device: torch.device) -> tuple[Callable, Callable]:
-    """(reshape_and_cache, paged_attention) for a resolved backend."""
-    if backend == "torch":
-        return reference.reshape_and_cache, reference.paged_attention
-    if device.type != "cuda" and not interpreting():
-        # Triton's interpreter must be chosen before triton is first imported, and
-        # `import minivllm` already imports it (through transformers and torch), so
-        # it is too late to switch here.
-        raise RuntimeError(
-            'attention_backend="triton" on a CPU runs Triton\'s interpreter, which must be '
-            "switched on before anything imports triton: set the environment variable "
-            "TRITON_INTERPRET=1 before `import minivllm` (first notebook cell: "
-            "`import os; os.environ['TRITON_INTERPRET'] = '1'`), or use "
-            'attention_backend="torch" (same results).'
-        )
-    if device.type != "cuda":
-        logger.warning("No GPU: the Triton kernels run in Triton's interpreter (slow, for learning).")
-    from minivllm.kernels.paged_attention_v2 import paged_attention
-    from minivllm.kernels.triton_reshape_and_cache import reshape_and_cache
-
-    return reshape_and_cache, paged_attention
+def get_attn_backend(backend: str, kv_caches: list[KVCache], device: torch.device) -> AttentionBackend:
+    """The backend object for a resolved name (:func:`resolve_backend`) over these caches."""
+    classes = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+    return classes[backend](kv_caches, device)

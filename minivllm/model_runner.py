@@ -6,8 +6,9 @@ are one tensor. Alongside go the positions of those tokens, the cache slot each 
 and value is written to (``slot_mapping``), each sequence's block table, where each
 sequence starts in the flat batch (``query_start_loc``) and how long it is afterwards
 (``seq_lens``). The stock transformers model runs on that with our registered attention
-function (``minivllm.attention``), and logits are computed only at the last token of
-each request that samples this step: a prompt chunk that is not the last needs none.
+function (``minivllm.attention``), which hands each layer's queries, keys and values to
+the attention backend in one call; logits are computed only at the last token of each
+request that samples this step: a prompt chunk that is not the last needs none.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attention_ops
+from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.kernels import reference
 from minivllm.linear import onednn_linear, plain_linears
 from minivllm.sampler import Sampler
 
@@ -42,8 +42,9 @@ def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]
-    """request_id -> new token, for the requests that sampled this step."""
+    sampled: dict[str, int | Exception]
+    """request_id -> new token, for the requests that sampled this step (or the error
+    that sampling that one request raised: the engine finishes it alone)."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
 
@@ -64,7 +65,6 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.kv_cache_manager = kv_cache_manager
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.reshape_and_cache, self.paged_attention = get_attention_ops(attention_backend, device)
         # Swapped to oneDNN only for the engine's own forward passes (minivllm.linear).
         self.onednn_linears = plain_linears(model) if linear_backend == "onednn" else []
         num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
@@ -75,6 +75,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
+        self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
         self.sampler = Sampler(seed)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[dict, list[int], list]:
@@ -108,23 +109,17 @@ class ModelRunner:
         def as_tensor(x, dtype=torch.int32):
             return torch.tensor(x, dtype=dtype, device=dev)
 
-        metadata = AttentionMetadata(
+        # Once per step, for every layer: the common metadata, then what the backend adds.
+        metadata = self.attn_backend.build_metadata(AttentionMetadata(
             slot_mapping=as_tensor(slots, torch.int64),
             block_tables=as_tensor(block_tables),
             query_start_loc=as_tensor(query_start_loc),
             seq_lens=as_tensor(seq_lens),
-            kv_caches=self.kv_caches,
-            reshape_and_cache=self.reshape_and_cache,
-            paged_attention=self.paged_attention,
-        )
-        if self.paged_attention is reference.paged_attention:
-            # Sorted into prefills and length-grouped decodes once here, not in every layer.
-            metadata.plan = reference.plan_attention(
-                metadata.block_tables, metadata.query_start_loc, metadata.seq_lens, bs
-            )
+        ))
         inputs = dict(
             input_ids=as_tensor([input_ids], torch.int64),
             position_ids=as_tensor([positions], torch.int64),
+            attn_backend=self.attn_backend,
             attn_metadata=metadata,
         )
         return inputs, logits_indices, samplers

@@ -1,9 +1,10 @@
 """The simulated model runner: the real scheduler, block manager and trace, no model.
 
-A CPU serves dozens of requests a minute; the interesting behaviour of a serving engine
-(queues building up as the request rate rises, memory pressure, preemption storms) needs
-thousands. So, as DESIGN.md's "Two runners, one scheduler" says, this module replaces
-only the forward pass: :class:`SimulatedModelRunner` has the same
+The interesting behaviour of a serving engine (queues building up as the request rate
+rises, memory pressure, preemption storms) needs thousands of requests, and real forward
+passes serve far fewer in a minute on a CPU (``minivllm bench throughput`` measures how
+many on yours). So the engine has two runners and one scheduler, and this module
+replaces only the forward pass: :class:`SimulatedModelRunner` has the same
 ``execute_model(sched) -> ModelRunnerOutput`` as the real :class:`ModelRunner`, returns
 one token per sampling request, and advances a :class:`VirtualClock` by the time a
 :class:`CostModel` predicts for that step. The engine reads every timestamp from that
@@ -17,9 +18,10 @@ The cost model is linear in what a step computes::
 
 (``decode_context``: sum of the context lengths the decodes attend over;
 ``prefill_attention``: query-key pairs of the prompt chunks, in thousands). It is fitted
-by non-negative least squares to steps measured on the real runner (:func:`fit_cost_model`) and
-shipped in ``minivllm/data/cost_model_smollm2_cpu.json`` together with the command that
-produced it: ``python -m minivllm.bench fit-simulator``.
+by non-negative least squares to steps measured on the real runner (:func:`fit_cost_model`;
+the whole measure-fit-check loop is :mod:`minivllm.simulator_fit`) and shipped in
+``minivllm/data/cost_model_smollm2_cpu.json`` together with the command that produced
+it: ``minivllm bench fit-simulator``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine import DEFAULT_KV_CACHE_MEMORY, EngineConfig, LLMEngine
 from minivllm.model_loader import make_tiny_model
 from minivllm.model_runner import ModelRunnerOutput
+from minivllm.replay import replay_workload
 from minivllm.trace import StepRecord, Trace
 
 FEATURES = ("const", "prefill_tokens", "decode_requests", "decode_context", "prefill_attention")
@@ -253,8 +256,6 @@ def simulate(workload: Iterable, engine: LLMEngine | None = None, rss_every: int
     engine and keep only per-request summaries, so memory stays flat however many
     requests flow through. ``config``: :class:`EngineConfig` fields, when no engine is given.
     """
-    from minivllm.bench import replay  # bench imports this module; import here, not at the top
-
     engine = engine or make_simulated_engine(max_trace_steps=config.pop("max_trace_steps", 200), **config)
     ttft, e2e, tpot, rss = [], [], [], []
     counts = {"n": 0, "tokens": 0}
@@ -273,7 +274,7 @@ def simulate(workload: Iterable, engine: LLMEngine | None = None, rss_every: int
 
     wall = time.perf_counter()
     start = engine.clock()
-    res = replay(engine, workload, on_finished=on_finished, keep_outputs=False)
+    res = replay_workload(engine, workload, on_finished=on_finished, keep_outputs=False)
     kv = engine.kv_cache_manager
     return SimulationResult(
         num_requests=res.num_added,

@@ -571,14 +571,11 @@ def memory_waste(
       blocks, wasting less than one block per request;
     - ``stored``: the tokens actually there (prompt plus output).
     """
+    from minivllm.bench.memory import kv_slots_held  # the arithmetic, shared with `bench memory`
+
     if len(prompt_lens) != len(output_lens):
         raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(output_lens)} output lengths")
-    tokens = [p + o for p, o in zip(prompt_lens, output_lens)]
-    return {
-        "contiguous": max_model_len * len(tokens),
-        "paged": sum(math.ceil(t / block_size) * block_size for t in tokens),
-        "stored": sum(tokens),
-    }
+    return kv_slots_held([p + o for p, o in zip(prompt_lens, output_lens)], block_size, max_model_len)
 
 
 def plot_memory_waste(

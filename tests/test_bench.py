@@ -12,15 +12,15 @@ from minivllm.bench import (
     latency_benchmark,
     linear_benchmark,
     plot_chunked_prefill,
-    plot_latency,
+    plot_latency_vs_rate,
     plot_memory,
     plot_throughput,
-    replay,
     throughput_benchmark,
 )
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.linear import onednn_available, plain_linears
 from minivllm.model_loader import make_tiny_model
+from minivllm.replay import replay_workload
 from minivllm.simulator import CostModel, make_simulated_engine
 from minivllm.workload import WorkloadRequest, make_workload
 
@@ -63,7 +63,7 @@ def test_tools_can_be_selected(tiny):
 
 def test_engine_overhead_from_trace(tiny):
     engine = LLMEngine(EngineConfig(log_stats_interval=None, device="cpu"), tiny, None)
-    replay(engine, make_workload(None, 6, seed=2, prompt_len=(5, 20), output_len=5))
+    replay_workload(engine, make_workload(None, 6, seed=2, prompt_len=(5, 20), output_len=5))
     o = engine_overhead(engine.trace, min_running=6)
     assert o["num_steps"] >= 1 and 0 <= o["in_step"] < 1
     assert engine_overhead(engine.trace, min_running=100)["num_steps"] == 0
@@ -100,7 +100,7 @@ def test_latency_benchmark_real_and_simulated(tiny):
     assert all(p.ttft_p99 >= p.ttft_p50 and p.e2e_p99 >= p.e2e_p50 for p in pts)
     # ten times the load on the same engine: requests wait longer (simulated time is exact)
     assert pts[1].e2e_p50 > pts[0].e2e_p50
-    plot_latency(pts)
+    plot_latency_vs_rate(pts)
 
 
 def test_chunked_prefill_benchmark_runs(tiny):

@@ -306,3 +306,33 @@ def test_benchmark_exits_cleanly_without_cuda(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["bench_paged_attention"])
     bench_paged_attention.main()
     assert "No CUDA device" in capsys.readouterr().out
+
+
+# ---- in the engine: the attention backends ------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_backend_stores_then_attends(backend):
+    """The model runner's view of a kernel pair: one ``forward`` per layer stores this
+    step's keys and values at ``slot_mapping``, then attends over the cache."""
+    from minivllm.attention import AttentionMetadata, get_attn_backend
+
+    bs = 8
+    q_lens, seq_lens = mixed(bs)
+    b = make_batch(q_lens, seq_lens, 6, 2, 16, bs)
+    slots, new_keys, new_values = [], [], []
+    for s, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        pos = torch.arange(seq_len - q_len, seq_len, device=DEVICE)
+        slots.append(b.block_tables[s, pos // bs].long() * bs + pos % bs)
+        new_keys.append(b.keys[s][seq_len - q_len :])
+        new_values.append(b.values[s][seq_len - q_len :])
+    slot_mapping = torch.cat(slots)
+    for cache in (b.key_cache, b.value_cache):  # the cache holds the context only
+        cache.view(-1, *cache.shape[2:])[slot_mapping] = float("nan")
+
+    attn = get_attn_backend(backend, [(b.key_cache, b.value_cache)], torch.device(DEVICE))
+    common = AttentionMetadata(slot_mapping, b.block_tables, b.query_start_loc, b.seq_lens)
+    out = attn.forward(0, b.query, torch.cat(new_keys), torch.cat(new_values), attn.build_metadata(common), b.scale)
+    assert_matches(out, sdpa_expected(b), torch.float32, f"{backend} backend")
+    stored = b.key_cache.view(-1, *b.key_cache.shape[2:])[slot_mapping]
+    assert torch.equal(stored, torch.cat(new_keys))

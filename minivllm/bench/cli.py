@@ -1,0 +1,62 @@
+"""``minivllm bench MODE``: one flat set of options, and a table from mode to function.
+
+Each mode's ``main(args)`` lives in its own module beside the benchmark it runs, as in
+vLLM's ``vllm/benchmarks/`` (``throughput.py``, ``latency.py``, ...). Adding a mode is a
+module with a ``main`` and one line in :data:`MODES`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+
+from minivllm.bench import latency, linear, memory, prefix_caching, simulate, throughput
+from minivllm.bench.common import FIGURES
+from minivllm.bench.tools import TOOLS
+from minivllm.model_loader import DEFAULT_MODEL
+
+MODES: dict[str, Callable[[argparse.Namespace], int]] = {
+    "throughput": throughput.main,
+    "latency": latency.main,
+    "memory": memory.main,
+    "prefix": prefix_caching.main,
+    "linear": linear.main,
+    "fit-simulator": simulate.fit_main,
+    "simulate": simulate.simulate_main,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``minivllm bench`` options (shared by ``python -m minivllm.bench``)."""
+    parser.add_argument("mode", choices=list(MODES))
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help="requests in the workload (default 32; simulate: 10000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
+    parser.add_argument("--rates", default="0.25,0.5,1,2", help="latency: request rates (req/s)")
+    parser.add_argument("--simulated", action="store_true", help="latency: use the simulator, not the model")
+    parser.add_argument("--no-chunked-prefill-check", action="store_true",
+                        help="latency: skip the long-prompt-among-decodes comparison")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="memory: contiguous reservation")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
+    parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
+    parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    return MODES[args.mode](args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minivllm.bench",
+                                     description="Benchmarks: minivllm against the tools a reader would "
+                                                 "otherwise use, on the same requests.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(args)

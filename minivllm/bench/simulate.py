@@ -1,0 +1,58 @@
+"""The simulator from the command line: ``simulate`` and ``fit-simulator`` modes.
+
+``minivllm bench simulate`` replays a long workload (10,000 requests by default) on the
+shipped cost model, to show that the real scheduler and block manager keep every
+invariant over thousands of requests and that memory stays flat.
+``minivllm bench fit-simulator`` measures the real engine and fits a new cost model
+(:mod:`minivllm.simulator_fit`). Notebook 09 explains both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from minivllm import simulator
+from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
+from minivllm.simulator import SimulationResult, simulate
+from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
+from minivllm.workload import iter_workload
+
+
+def format_simulation(res: SimulationResult) -> str:
+    rss = res.rss_samples
+    grow = ""
+    if len(rss) >= 2:
+        grow = (f"; RSS {rss[0][1] / 2**20:.0f} MiB after {rss[0][0]} requests, "
+                f"{rss[-1][1] / 2**20:.0f} MiB after {rss[-1][0]}")
+    return (f"{res.num_finished}/{res.num_requests} requests finished in {res.wall_seconds:.1f} s of wall time "
+            f"({res.num_steps} steps, {res.simulated_seconds:.0f} simulated s, {res.throughput:.0f} tok/s "
+            f"simulated, {res.num_preemptions} preemptions); free blocks after: {res.free_blocks_after}/"
+            f"{res.num_blocks}{grow}; TTFT p50 {percentile(res.ttft, 50):.2f} s, "
+            f"p99 {percentile(res.ttft, 99):.2f} s")
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    """``minivllm bench simulate``: the chat workload, arrivals at ``--rate`` (or all at once)."""
+    n = args.num_requests or 10000
+    tok = load_tokenizer(args.model)
+    res = simulate(iter_workload(tok, n, args.seed, rate=args.rate), **engine_settings(args))
+    print(format_simulation(res))
+    return 0
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    """``minivllm bench fit-simulator``: fit, check, save (by default over the shipped model)."""
+    command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    out = args.out or str(Path(simulator.__file__).parent / "data" / simulator.DEFAULT_COST_MODEL)
+    res = fit_simulator(args.model, n=args.num_requests or 32, out_path=out,
+                        command=command or "python -m minivllm.bench fit-simulator")
+    cm = res["cost_model"]
+    print("coefficients (s):", {k: f"{v:.3e}" for k, v in cm.coefficients.items()})
+    print("fit:", cm.meta["fit"])
+    print("held out:", cm.meta["held_out"])
+    print(f"saved {out}")
+    save_figure(plot_cost_model_fit(cm, res["traces"]), args.figures, "simulator_fit.png")
+    return 0

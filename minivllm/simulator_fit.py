@@ -1,0 +1,143 @@
+"""Fitting the simulator's cost model to the real runner, and checking it.
+
+:mod:`minivllm.simulator` predicts each step's time with a :class:`CostModel`; this
+module produces one: it serves chat workloads on the real engine, fits the model to
+the measured steps (:func:`~minivllm.simulator.fit_cost_model`), and checks it on a
+workload it never saw by replaying that workload on a simulated engine and comparing
+the predicted span with the measured one. ``minivllm bench fit-simulator`` runs it and
+saves the result as ``minivllm/data/cost_model_smollm2_cpu.json`` (notebook 09 fits a
+smaller one in place).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.model_runner import kv_cache_bytes_per_token
+from minivllm.replay import replay_workload
+from minivllm.simulator import CostModel, fit_cost_model, make_simulated_engine, step_intervals
+from minivllm.trace import Trace
+from minivllm.workload import WorkloadRequest, chat_workload
+
+logger = logging.getLogger("minivllm")
+
+
+def _measure(engine: LLMEngine, workload: list[WorkloadRequest], tag: str) -> tuple[Trace, float]:
+    """Serve ``workload`` from an empty trace and prefix cache; its trace and wall time."""
+    for r in workload:
+        r.request_id = f"{tag}-{r.request_id}"
+    engine.trace.clear()
+    engine.reset_prefix_cache()
+    t = time.perf_counter()
+    replay_workload(engine, workload)
+    wall = time.perf_counter() - t
+    trace = copy.copy(engine.trace)
+    trace.steps = copy.copy(engine.trace.steps)
+    return trace, wall
+
+
+def _describe(engine: LLMEngine, model: str, fit_workloads: str, command: str) -> dict:
+    """Where a cost model comes from: what a reader needs to judge if it fits their machine."""
+    cfg = engine.config
+    return {
+        "model": model,
+        "dtype": cfg.dtype,
+        "device": str(engine.device),
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "attention_backend": engine.attention_backend,
+        "linear_backend": engine.linear_backend,
+        "block_size": cfg.block_size,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "kv_bytes_per_token": kv_cache_bytes_per_token(engine.model, engine.model.dtype),
+        "vocab_size": engine.model.config.vocab_size,
+        "max_position_embeddings": engine.model.config.max_position_embeddings,
+        "fit_workloads": fit_workloads,
+        "command": command,
+        "created": time.strftime("%Y-%m-%d"),
+    }
+
+
+def fit_simulator(
+    model: str = DEFAULT_MODEL,
+    fit_seeds: Sequence[int] = (1, 3),
+    heldout_seed: int = 2,
+    n: int = 32,
+    fit_rate: float = 2.0,
+    out_path: str | Path | None = None,
+    command: str = "",
+) -> dict:
+    """Measure the real engine, fit the cost model, check it on a held-out workload.
+
+    Fit data: for each seed, ``n`` chat requests all at once and ``n`` more arriving at
+    ``fit_rate`` req/s (so steps of every mix of prefill chunks and decodes are seen).
+    Two seeds rather than one, because single steps jitter on a shared machine and one
+    seed's held-out error moved with it (``minivllm bench fit-simulator`` prints the
+    error; run it a few times to see the spread on yours).
+    Held out: another ``n``-request workload all at once; its measured wall time is
+    compared with the simulator's prediction for the same workload.
+    """
+    engine = LLMEngine(EngineConfig(model=model, log_stats_interval=None))
+    tok = engine.tokenizer
+    replay_workload(engine, [WorkloadRequest("warmup", [1, 2, 3, 4], 4)])
+    traces = []
+    for seed in fit_seeds:
+        for rate in (None, fit_rate):
+            tr, wall = _measure(engine, chat_workload(tok, n, seed, rate=rate), f"fit{seed}-{rate}")
+            logger.info("fit run seed %d rate %s: %d steps, %.1f s", seed, rate, len(tr.steps), wall)
+            traces.append(tr)
+    held_workload = chat_workload(tok, n, heldout_seed)
+    held_trace, held_wall = _measure(engine, chat_workload(tok, n, heldout_seed), "heldout")
+    fit_workloads = f"chat_workload(n={n}, seed in {list(fit_seeds)}), all at once and at {fit_rate} req/s"
+    cm = fit_cost_model(traces, _describe(engine, model, fit_workloads, command))
+    cfg = engine.config
+    sim = make_simulated_engine(cm, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens)
+    sim_res = replay_workload(sim, held_workload)
+    predicted = sim_res.end - sim_res.start
+    cm.meta["held_out"] = {
+        "workload": f"chat_workload(n={n}, seed={heldout_seed}), all at once",
+        "measured_wall_s": held_wall,
+        "predicted_s": predicted,
+        "error": predicted / held_wall - 1,
+        "measured_steps": len(held_trace.steps),
+        "simulated_steps": sim_res.num_steps,
+    }
+    if out_path is not None:
+        cm.save(out_path)
+    return {"cost_model": cm, "traces": traces, "held_out_trace": held_trace}
+
+
+def plot_cost_model_fit(cost_model: CostModel, traces: Sequence[Trace], ax=None):
+    """Predicted against measured time of every step the model was fitted on."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(4, 4))
+    else:
+        fig = ax.figure
+    meas, pred = [], []
+    for tr in traces:
+        for step, seconds in step_intervals(tr):
+            meas.append(seconds * 1e3)
+            pred.append(cost_model.predict(step.scheduled) * 1e3)
+    ax.scatter(meas, pred, s=6, alpha=0.5)
+    hi = max(meas + pred)
+    ax.plot([0, hi], [0, hi], "k--", lw=1)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted (ms)")
+    ax.set_title("simulator cost model", fontsize=9)
+    fig.tight_layout()
+    return fig
