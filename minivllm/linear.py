@@ -2,11 +2,11 @@
 
 On a CPU almost every millisecond of a step is a matrix product with one of the model's
 weight matrices: 7 per layer plus the vocabulary projection. ``nn.Linear`` sends them to
-MKL's ``sgemm``. PyTorch also ships oneDNN, and on the AMD EPYC this project is measured
-on its float32 products were up to twice as fast: ``minivllm bench linear`` ran all 210
-decoder linear layers of SmolLM2 in 16 / 36 / 262 ms for 1 / 32 / 512 rows against
-``nn.Linear``'s 26 / 69 / 552 ms. Run it to see what your CPU gains. vLLM's CPU backend
-also routes its linear layers through oneDNN.
+MKL's ``sgemm``. PyTorch also ships oneDNN, whose float32 products can be markedly
+faster on a CPU: ``minivllm bench linear`` times all 210 decoder linear layers of SmolLM2
+both ways, for 1, 32 and 512 rows, on your machine (the README's "Measured" section
+shows what it found on the CPU this project is measured on). vLLM's CPU backend also
+routes its linear layers through oneDNN.
 
 Only the engine's forward pass uses it: :func:`onednn_linear` swaps the class of every
 ``nn.Linear`` to :class:`OneDNNLinear` for the duration of a ``with`` block and back

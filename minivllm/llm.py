@@ -20,15 +20,16 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.chat_utils import apply_chat_template
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_bool
 from minivllm.metrics import Metric
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.outputs import RequestOutput
+from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
 
-Prompt = str | dict
+Prompt = str | dict | ProcessedPrompt
 Message = dict[str, object]
 
 
@@ -110,7 +111,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
         check_bool("use_tqdm", use_tqdm)
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, ProcessedPrompt)):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
             raise ValidationTypeError(
@@ -231,13 +232,12 @@ class LLM:
             conversations = list(messages)
         else:  # empty, or a mixture: let the checks say what is wrong with it
             conversations = [messages]
-        prompts = [
-            {"prompt_token_ids": self._chat_ids(c, add_generation_prompt)} for c in conversations
-        ]
+        processor = self.llm_engine.processor
+        prompts = [processor.process_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_ids(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
+        return self.llm_engine.processor.process_chat(conversation, add_generation_prompt).prompt_token_ids
 
     def stream(
         self, prompt: Prompt | list[Message], sampling_params: SamplingParams | None = None
@@ -251,7 +251,7 @@ class LLM:
         text it produced. Nothing is queued until the first piece is asked for.
         """
         if isinstance(prompt, list):
-            prompt = {"prompt_token_ids": self._chat_ids(prompt)}
+            prompt = self.llm_engine.processor.process_chat(prompt)
         rid = self._add(prompt, sampling_params)
         finished = False
         try:

@@ -5,7 +5,7 @@ rises, memory pressure, preemption storms) needs thousands of requests, and real
 passes serve far fewer in a minute on a CPU (``minivllm bench throughput`` measures how
 many on yours). So the engine has two runners and one scheduler, and this module
 replaces only the forward pass: :class:`SimulatedModelRunner` has the same
-``execute_model(sched) -> ModelRunnerOutput`` as the real :class:`ModelRunner`, returns
+``execute_model(scheduler_output) -> ModelRunnerOutput`` as the real :class:`ModelRunner`, returns
 one token per sampling request, and advances a :class:`VirtualClock` by the time a
 :class:`CostModel` predicts for that step. The engine reads every timestamp from that
 clock, so ``Scheduler``, ``KVCacheManager``, ``Trace`` and the request metrics are the
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.config import EngineConfig, size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.engine import DEFAULT_KV_CACHE_MEMORY, EngineConfig, LLMEngine
+from minivllm.engine import LLMEngine, eos_token_id
 from minivllm.model_loader import make_tiny_model
 from minivllm.model_runner import ModelRunnerOutput
 from minivllm.replay import replay_workload
@@ -49,11 +49,11 @@ DEFAULT_COST_MODEL = "cost_model_smollm2_cpu.json"
 
 def step_features(chunks: Iterable) -> list[float]:
     """The cost model's inputs for one step. ``chunks`` are the scheduler's
-    ``ScheduledRequest`` (``num_new_tokens``) or the trace's ``ScheduledChunk``
-    (``num_tokens``); both carry ``num_computed_tokens`` and ``is_prefill``."""
+    ``ScheduledRequest`` or the trace's ``ScheduledChunk``: both carry
+    ``num_new_tokens``, ``num_computed_tokens`` and ``is_prefill``."""
     prefill = decodes = context = attention = 0.0
     for c in chunks:
-        n = c.num_new_tokens if hasattr(c, "num_new_tokens") else c.num_tokens
+        n = c.num_new_tokens
         if c.is_prefill:
             prefill += n
             # each new query attends to the cached tokens and to the new ones before it
@@ -171,44 +171,40 @@ class SimulatedModelRunner:
         self.clock = clock
         self.token_id = token_id
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        seconds = self.cost_model.predict(sched.scheduled)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        seconds = self.cost_model.predict(scheduler_output.scheduled)
         self.clock.advance(seconds)
-        sampled = {s.request.request_id: self.token_id for s in sched.scheduled if s.samples}
+        sampled = {s.request.request_id: self.token_id for s in scheduler_output.scheduled if s.samples}
         return ModelRunnerOutput(sampled=sampled, model_time=seconds)
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Nothing to forget: this runner keeps no per-request state."""
 
 
 def make_simulated_engine(cost_model: CostModel | None = None, **config: object) -> LLMEngine:
     """An :class:`LLMEngine` whose runner is simulated and whose clock is virtual.
 
     ``config`` takes :class:`EngineConfig` fields; defaults are the engine's, and the KV
-    block count is what the real model (described in the cost model's ``meta``) would get
-    from the same settings. The engine is built around a one-layer random model of width
-    8 (so the few-MB KV cache it allocates is never used), then its ``model_runner`` is
-    swapped for the simulated one: no edit to the engine was needed.
+    cache is sized by the engine's own :func:`~minivllm.config.size_kv_cache` from the
+    sizes of the real model (the cost model's ``meta``). The engine gets the simulated
+    runner as its ``model_runner``, so no KV cache is allocated; it still needs a model
+    for its vocabulary size and EOS token: a one-layer random model of width 8.
     """
     cost_model = cost_model or CostModel.load()
     meta = cost_model.meta
     cfg = EngineConfig(**{"log_stats_interval": None, "device": "cpu", **config})
-    model_max = int(meta.get("max_position_embeddings", 8192))
-    if cfg.num_kv_blocks is None:  # same arithmetic as LLMEngine, with the real model's sizes
-        block_bytes = int(meta.get("kv_bytes_per_token", 46080)) * cfg.block_size
-        num_blocks = (cfg.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
-        if cfg.kv_cache_memory is None:
-            num_blocks = min(num_blocks, cfg.max_num_seqs * cdiv(cfg.max_model_len or model_max, cfg.block_size))
-        cfg.num_kv_blocks = num_blocks
-    if cfg.max_model_len is None:
-        cfg.max_model_len = min(model_max, cfg.num_kv_blocks * cfg.block_size)
+    model_max_len = int(meta.get("max_position_embeddings", 8192))
+    size = size_kv_cache(cfg, int(meta.get("kv_bytes_per_token", 46080)), model_max_len)
+    cfg.num_kv_blocks, cfg.max_model_len = size.num_blocks, size.max_model_len
     tiny = make_tiny_model(
         "llama", vocab_size=int(meta.get("vocab_size", 49152)), hidden_size=8, intermediate_size=8,
         num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
-        max_position_embeddings=max(model_max, cfg.max_model_len),
+        max_position_embeddings=model_max_len,
     )
     clock = VirtualClock()
-    engine = LLMEngine(cfg, tiny, tokenizer=None, clock=clock)
-    token = (engine.eos_token_id or 0) + 1
-    engine.model_runner = SimulatedModelRunner(cost_model, clock, token_id=token)
-    return engine
+    token = (eos_token_id(tiny, None) or 0) + 1  # never EOS: lengths are exactly max_tokens
+    runner = SimulatedModelRunner(cost_model, clock, token_id=token)
+    return LLMEngine(cfg, tiny, tokenizer=None, clock=clock, model_runner=runner)
 
 
 def current_rss_bytes() -> int | None:

@@ -15,12 +15,21 @@ from minivllm.metrics import RequestMetrics
 
 @dataclass
 class ScheduledChunk:
+    """What one request computed in one step: the trace's copy of the scheduler's
+    ``ScheduledRequest`` (same field names), kept after the step is over."""
+
     request_id: str
-    num_tokens: int
+    num_new_tokens: int
     num_computed_tokens: int
     """Tokens already cached before this step: the chunk covers the positions after it."""
     is_prefill: bool
     """Prompt (chunk) or recompute after preemption; False for a one-token decode."""
+
+    @property
+    def num_tokens(self) -> int:
+        """The old name of :attr:`num_new_tokens`, kept read-only while notebooks and
+        ``viz`` still use it."""
+        return self.num_new_tokens
 
 
 @dataclass
@@ -46,15 +55,16 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled)
+        """Tokens computed in this step, all requests together."""
+        return sum(c.num_new_tokens for c in self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled if c.is_prefill)
+        return sum(c.num_new_tokens for c in self.scheduled if c.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled if not c.is_prefill)
+        return sum(c.num_new_tokens for c in self.scheduled if not c.is_prefill)
 
     @property
     def kv_cache_usage(self) -> float:

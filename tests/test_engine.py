@@ -116,6 +116,44 @@ def test_seeded_sampling_is_independent_of_the_batch():
     assert LLM(model).generate(prompt, different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+def seeded_run(model, **config) -> tuple[LLM, list[list[int]]]:
+    """Twelve seeded random requests at once; their token ids."""
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i] * (4 + i)} for i in range(12)]
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=100 + i, ignore_eos=True)
+              for i in range(12)]
+    llm = LLM(model, **config)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_sampling_is_unchanged_by_preemption():
+    """A preempted request keeps its generator: after the recompute its draws continue
+    where they stopped, so its tokens equal those of a run without preemption."""
+    model = make_tiny_model("llama", vocab_size=VOCAB)
+    _, ample = seeded_run(model)
+    llm, pressed = seeded_run(model, num_kv_blocks=12, max_num_batched_tokens=64)
+    assert sum(len(s.preempted) for s in llm.trace.steps) > 0, "the small cache should preempt"
+    assert pressed == ample
+
+
+def test_generators_of_finished_and_aborted_requests_are_released():
+    model = make_tiny_model("llama", vocab_size=VOCAB)
+    llm, _ = seeded_run(model, num_kv_blocks=12, max_num_batched_tokens=64)
+    runner = llm.llm_engine.model_runner
+    assert runner.generators == {}
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2, 3]},
+                           SamplingParams(temperature=1.0, max_tokens=50, seed=i, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert set(runner.generators) == {"r0", "r1", "r2"}
+    engine.abort_request(["r0", "r2"])
+    assert set(runner.generators) == {"r1"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.generators == {} and all_blocks_free(llm)
+
+
 def test_top_k_one_is_greedy():
     model = make_tiny_model("qwen2", vocab_size=VOCAB)
     prompt = [1, 2, 3, 4, 5]

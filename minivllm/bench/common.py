@@ -10,6 +10,9 @@ import numpy as np
 
 from minivllm.model_loader import DEFAULT_MODEL
 
+ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+"""The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
+
 FIGURES = Path("figures")
 
 
@@ -37,6 +40,6 @@ def save_figure(fig, folder: str | Path, name: str) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
-    """The engine settings every mode takes from the command line."""
-    return dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs)
+    """The engine settings every mode takes from the command line, except the model,
+    which each mode loads its own way."""
+    return {name: getattr(args, name) for name in ENGINE_SETTINGS}

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.replay import replay_workload
 from minivllm.simulator import make_simulated_engine
