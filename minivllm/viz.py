@@ -276,10 +276,10 @@ def plot_batch_composition(
         for i, c in enumerate(record.scheduled):
             color = request_color(c.request_id)
             hatch = PREFILL_HATCH if c.is_prefill else None
-            bar = tok_ax.bar(record.step, c.num_tokens, bottom=bottom, width=0.8, color=color,
+            bar = tok_ax.bar(record.step, c.num_new_tokens, bottom=bottom, width=0.8, color=color,
                              edgecolor="white", linewidth=0.4, hatch=hatch)
             bar.patches[0].set_gid(f"step:{record.step}:{c.request_id}")
-            bottom += c.num_tokens
+            bottom += c.num_new_tokens
             if seat_ax is not None:
                 seat = seat_ax.bar(record.step, 1, bottom=i, width=0.8, color=color,
                                    edgecolor="white", linewidth=0.4, hatch=hatch)
@@ -676,7 +676,7 @@ def plot_steps(trace: Trace, steps: Sequence[int] | None = None,
     for j, (letter, i, record) in enumerate(zip("ABCDEFGH", chosen, records)):
         pool_ax = fig.add_subplot(grid[2 + j // 2, j % 2])
         plot_block_table(trace, i, request_ids[j], ax=pool_ax, legend=False)
-        parts = [f"{c.request_id}:{'P' if c.is_prefill else 'D'}{c.num_tokens}"
+        parts = [f"{c.request_id}:{'P' if c.is_prefill else 'D'}{c.num_new_tokens}"
                  for c in record.scheduled[:8]]
         more = " ..." if len(record.scheduled) > 8 else ""
         pool_ax.set_title(f"{letter}: KV block pool after step {record.step} "
@@ -696,7 +696,7 @@ def _replay_figure(trace: Trace, step: int, request_id: str | None = None) -> Fi
     plot_block_table(trace, step, request_id, ax=left)
     plot_batch_composition(trace, ax=(tok_ax, seat_ax), highlight_step=step)
     record = trace.steps[step]
-    parts = [f"{c.request_id}: {'prefill' if c.is_prefill else 'decode'} {c.num_tokens}"
+    parts = [f"{c.request_id}: {'prefill' if c.is_prefill else 'decode'} {c.num_new_tokens}"
              for c in record.scheduled[:8]]
     more = f" (+{len(record.scheduled) - 8} more)" if len(record.scheduled) > 8 else ""
     fig.suptitle(f"step {record.step} (gold): " + ", ".join(parts) + more, fontsize=10)

@@ -125,7 +125,7 @@ def test_same_scheduling_decisions_as_the_real_runner(num_blocks):
     replay_workload(sim, workload)
 
     def decisions(engine):
-        return [[(c.request_id, c.num_tokens, c.num_computed_tokens, c.is_prefill) for c in s.scheduled]
+        return [[(c.request_id, c.num_new_tokens, c.num_computed_tokens, c.is_prefill) for c in s.scheduled]
                 for s in engine.trace.steps]
 
     assert decisions(sim) == decisions(real)

@@ -57,7 +57,7 @@ EXPECTED = [
 
 
 def test_the_scripted_schedule(trace):
-    got = [[(c.request_id, c.num_tokens, c.is_prefill) for c in s.scheduled] for s in trace.steps]
+    got = [[(c.request_id, c.num_new_tokens, c.is_prefill) for c in s.scheduled] for s in trace.steps]
     assert got == EXPECTED
 
 
