@@ -26,8 +26,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, NaN when there are none.
@@ -38,6 +36,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     """
     if len(values) == 0:
         return float("nan")
+    # Imported here: the scheduler imports this module, and it stays free of numpy and torch.
+    import numpy as np
+
     return float(np.percentile(np.asarray(values, dtype=float), q))
 
 

@@ -308,7 +308,7 @@ def test_large_pools_are_drawn_up_to_the_blocks_used(tiny_model):
 
 
 def test_architecture_names_modules_that_exist():
-    root = Path(viz.__file__).resolve().parents[1]
+    root = Path(viz.__file__).resolve().parents[2]  # the repository: viz is minivllm/viz/
     fig = viz.plot_architecture()
     ax = fig.axes[0]
     boxes = patches_by_gid(ax, "box:")
@@ -351,7 +351,7 @@ def test_save_figure(trace, tmp_path, monkeypatch):
     assert viz.figures_dir().name == "figures"
     monkeypatch.setenv(viz.FIGURES_ENV, str(tmp_path / "elsewhere"))
     assert viz.figures_dir() == tmp_path / "elsewhere"
-    monkeypatch.setattr(viz, "figures_dir", lambda: tmp_path)
+    monkeypatch.setattr(viz.saving, "figures_dir", lambda: tmp_path)
     saved = viz.save_figure(viz.plot_kv_usage(trace), "kv")
     assert saved == tmp_path / "kv.png" and Path(saved).stat().st_size > 0
     # In Jupyter it shows the file it wrote, byte for byte.
@@ -373,7 +373,7 @@ def test_empty_trace_explains(tiny_model):
 def test_replay_with_a_widget_frontend(trace, monkeypatch, capsys):
     import ipywidgets as widgets
 
-    monkeypatch.setattr(viz, "_has_widget_frontend", lambda: True)
+    monkeypatch.setattr(viz.steps, "_has_widget_frontend", lambda: True)
     box = viz.replay(trace)
     assert isinstance(box, widgets.VBox)
     play, slider = box.children[0].children
