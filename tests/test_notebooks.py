@@ -8,6 +8,7 @@ and that notebook 05 runs where Triton cannot be installed.)
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 import os
@@ -118,7 +119,16 @@ def test_prose_lives_in_markdown(path):
         assert "Markdown(" not in source(cell), f"prose built in a code cell:\n{source(cell)}"
 
 
-SAVED = re.compile(r"viz\.save_figure\(\s*[\w.]+\s*,\s*[\"']([^\"']+)[\"']")
+def saved_names(code: str) -> list[str]:
+    """The names passed to ``viz.save_figure(FIGURE, NAME)`` in a cell's code (read with
+    ast, so FIGURE may be any expression, e.g. ``viz.plot_architecture()``)."""
+    names = []
+    for node in ast.walk(ast.parse(code)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "save_figure" and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            names.append(node.args[1].value)
+    return names
 
 
 def saved_figures() -> dict[str, tuple[Path, bytes | None]]:
@@ -126,7 +136,7 @@ def saved_figures() -> dict[str, tuple[Path, bytes | None]]:
     found = {}
     for path in NOTEBOOKS:
         for cell in code_cells(load(path)):
-            for name in SAVED.findall(source(cell)):
+            for name in saved_names(source(cell)):
                 name = name if name.endswith((".png", ".svg", ".pdf")) else name + ".png"
                 pngs = [o["data"]["image/png"] for o in cell.get("outputs", [])
                         if "image/png" in o.get("data", {})]
