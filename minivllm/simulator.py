@@ -18,8 +18,8 @@ The cost model is linear in what a step computes::
 
 (``decode_context``: sum of the context lengths the decodes attend over;
 ``prefill_attention``: query-key pairs of the prompt chunks, in thousands). It is fitted
-by least squares to steps measured on the real runner (:func:`fit_cost_model`; the whole
-measure-fit-check loop is :mod:`minivllm.simulator_fit`) and shipped in
+by non-negative least squares to steps measured on the real runner (:func:`fit_cost_model`;
+the whole measure-fit-check loop is :mod:`minivllm.simulator_fit`) and shipped in
 ``minivllm/data/cost_model_smollm2_cpu.json`` together with the command that produced
 it: ``minivllm bench fit-simulator``.
 """
@@ -106,15 +106,32 @@ def step_intervals(trace: Trace) -> list[tuple[StepRecord, float]]:
 
 
 def fit_cost_model(traces: Sequence[Trace], meta: dict | None = None) -> CostModel:
-    """Least-squares fit of the step cost (see :func:`step_intervals`) over the steps of
-    one or more real-runner traces."""
+    """Non-negative least-squares fit of the step cost (see :func:`step_intervals`) over
+    the steps of one or more real-runner traces.
+
+    Non-negative because every feature is work a step does: no token, request or
+    attended key can make a step *faster*. Plain least squares may trade two features
+    that grow together (prompt tokens and prompt attention, in a short run) against each
+    other and return a negative coefficient, which fits the data it saw and extrapolates
+    to nonsense (a long enough prompt predicted to cost less than nothing).
+    ``scipy.optimize.nnls`` keeps every coefficient >= 0 (Lawson and Hanson's algorithm).
+    """
+    from scipy.optimize import nnls
+
     rows, y = [], []
     for trace in traces:
         for step, seconds in step_intervals(trace):
             rows.append(step_features(step.scheduled))
             y.append(seconds)
-    x, y = np.asarray(rows), np.asarray(y)
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    x, y = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    if len(y) == 0:
+        raise ValueError("the traces hold no steps to fit: run the real engine first")
+    # Columns scaled to unit norm so that features of very different sizes (a constant,
+    # thousands of attended keys) weigh alike in the solver's stopping rule.
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    coef, _ = nnls(x / norms, y)
+    coef = coef / norms
     pred = x @ coef
     meta = dict(meta or {})
     meta["fit"] = {

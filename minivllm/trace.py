@@ -25,12 +25,6 @@ class ScheduledChunk:
     is_prefill: bool
     """Prompt (chunk) or recompute after preemption; False for a one-token decode."""
 
-    @property
-    def num_tokens(self) -> int:
-        """The old name of :attr:`num_new_tokens`, kept read-only while notebooks and
-        ``viz`` still use it."""
-        return self.num_new_tokens
-
 
 @dataclass
 class StepRecord:

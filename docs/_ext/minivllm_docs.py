@@ -246,7 +246,8 @@ def package_modules(root: Path) -> list[str]:
 
 class ModulesDirective(SphinxDirective):
     """One section per module of the package, each an ``automodule`` with its members,
-    leaving out the public names that the API page documents."""
+    leaving out the public names that the API page documents, and the modules listed
+    in ``:skip:`` (with a skipped package's own modules)."""
 
     required_arguments = 1
     option_spec = {"skip": directives.unchanged}
@@ -257,8 +258,8 @@ class ModulesDirective(SphinxDirective):
         public = importlib.import_module(package).__all__
         lines: list[str] = []
         for name in package_modules(Path(self.env.srcdir)):
-            if name in skip:
-                continue
+            if name in skip or any(name.startswith(f"{s}.") for s in skip - {package}):
+                continue  # a skipped package's modules too (minivllm.viz.*: the API page)
             module = importlib.import_module(name)
             exported_here = [n for n in public
                              if getattr(getattr(module, n, None), "__module__", None) == name]

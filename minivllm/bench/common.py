@@ -1,12 +1,10 @@
-"""What the benchmark modes share: percentiles, the tokenizer alone, saving a figure."""
+"""What the benchmark modes share: the tokenizer alone, saving a figure, engine flags.
+(Percentiles are :func:`minivllm.metrics.percentile`, the one definition minivllm uses.)"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
 
 from minivllm.model_loader import DEFAULT_MODEL
 
@@ -14,11 +12,6 @@ ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
 """The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
 
 FIGURES = Path("figures")
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile, NaN for no samples (a table cell, not an error)."""
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL):

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
+from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
+from minivllm.metrics import percentile
 from minivllm.outputs import RequestOutput
 from minivllm.replay import replay_workload
 from minivllm.simulator import make_simulated_engine

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from minivllm import simulator
-from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
+from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
+from minivllm.metrics import percentile
 from minivllm.simulator import SimulationResult, simulate
 from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
 from minivllm.workload import iter_workload
