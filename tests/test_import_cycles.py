@@ -131,6 +131,11 @@ TENSOR_FREE = ("minivllm.core.scheduler", "minivllm.core.kv_cache_manager",
                "minivllm.core.block_pool", "minivllm.request")
 
 
+def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, so ``sys.modules`` shows only what it imported."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
 def test_the_scheduler_side_imports_no_torch():
     code = (
         "import sys\n"
@@ -140,7 +145,7 @@ def test_the_scheduler_side_imports_no_torch():
         "    assert not heavy, f'importing {name} imported {heavy}'\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = run_python(code, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
@@ -156,5 +161,5 @@ def test_the_package_names_still_import_lazily():
         "assert sorted(minivllm.__all__) == sorted(set(minivllm.__all__) & set(dir(minivllm)))\n"
         "print('ok')\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = run_python(code, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
