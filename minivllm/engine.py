@@ -23,9 +23,15 @@ from collections.abc import Callable
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.attention import resolve_backend
-from minivllm.config import DTYPES, EngineConfig, KVCacheSize, resolve_device, size_kv_cache
-from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.config import (
+    DTYPES,
+    EngineConfig,
+    KVCacheSize,
+    load_component,
+    resolve_device,
+    size_kv_cache,
+)
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.linear import resolve_linear_backend
@@ -97,9 +103,13 @@ class LLMEngine:
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
         config = self.config
-        self.kv_cache_manager = KVCacheManager(size.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        # The two classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
+        # the project's own by default, a learner's when one is given.
+        kv_cache_manager_cls = load_component("kv_cache_manager_cls", config.kv_cache_manager_cls)
+        scheduler_cls = load_component("scheduler_cls", config.scheduler_cls)
+        self.kv_cache_manager = kv_cache_manager_cls(size.num_blocks, config.block_size,
+                                                     config.enable_prefix_caching)
+        self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -109,6 +119,7 @@ class LLMEngine:
         self.model_runner = model_runner or ModelRunner(
             self.model, self.kv_cache_manager, self.attention_backend, self.device, self.dtype,
             config.seed, linear_backend=self.linear_backend,
+            sampler_cls=load_component("sampler_cls", config.sampler_cls),
         )
         self.processor = Processor(self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)

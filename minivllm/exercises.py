@@ -41,8 +41,7 @@ def _equal(answer: Any, expected: Any, rel_tol: float | None) -> bool:
             _equal(answer[k], expected[k], rel_tol) for k in answer)
     if isinstance(answer, str) and isinstance(expected, str):
         return answer.strip().lower() == expected.strip().lower()
-    is_number = (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool))
-    if rel_tol is not None and is_number(answer) and is_number(expected):
+    if rel_tol is not None and _is_number(answer) and _is_number(expected):
         return math.isclose(answer, expected, rel_tol=rel_tol)
     return answer == expected
 
@@ -64,6 +63,10 @@ def check(exercise: str, answer: Any, expected: Any, hint: str, *,
         return True
     print(f"✗ Exercise {exercise}: not yet. Hint: {hint}")
     return False
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _is_blank(answer: Any) -> bool:

@@ -60,6 +60,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         linear_backend: str = "torch",
+        sampler_cls: type = Sampler,
     ) -> None:
         self.model = model
         self.device = device
@@ -77,7 +78,7 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
-        self.sampler = Sampler(seed)
+        self.sampler = sampler_cls(seed)
         self.generators: dict[str, torch.Generator] = {}
         """request_id -> the private generator of a request with a seed (vLLM keeps them in
         its input batch). Made when the request first samples, dropped when it finishes
