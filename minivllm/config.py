@@ -69,8 +69,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(
         True, "cut long prompts into chunks that share steps with decodes")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
-    attention_backend: str = setting(
-        "auto", "'auto': Triton on CUDA, PyTorch elsewhere", BACKENDS)
+    attention_backend: str | type = setting(
+        "auto", "'torch' (the PyTorch reference), 'triton', 'auto' (Triton on CUDA, PyTorch "
+                "elsewhere), or an AttentionBackend class: a class, 'module:Class' or "
+                "'path/to/file.py:Class'")
     linear_backend: str = setting(
         "auto", "'auto': the model's linear layers run through oneDNN on a CPU "
                 "(minivllm.linear); 'torch': as they are", LINEAR_BACKENDS)
@@ -88,6 +90,10 @@ class EngineConfig:
     kv_cache_manager_cls: str | type = setting(
         "minivllm.core.kv_cache_manager:KVCacheManager",
         "the KV cache manager class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    block_pool_cls: str | type = setting(
+        "minivllm.core.block_pool:BlockPool",
+        "the block pool class the KV cache manager builds: a class, 'module:Class' or "
+        "'path/to/file.py:Class'")
     sampler_cls: str | type = setting(
         "minivllm.sampler:Sampler",
         "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
@@ -127,16 +133,23 @@ class EngineConfig:
                                               minimum=0, optional=True)
         for name in COMPONENT_FIELDS:
             spec = getattr(self, name)
+            if name == "attention_backend" and spec in BACKENDS:
+                continue
             if not (isinstance(spec, str) and ":" in spec or callable(spec)):
+                names = f"one of {BACKENDS}, " if name == "attention_backend" else ""
                 raise ValidationTypeError(
-                    name, f"{name} must be a class, 'module:Class' or 'path/to/file.py:Class', "
-                          f"got {spec!r}", spec)
+                    name, f"{name} must be {names}a class, 'module:Class' or "
+                          f"'path/to/file.py:Class', got {spec!r}", spec)
 
 
-COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "sampler_cls")
+COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "sampler_cls",
+                    "attention_backend")
 """The engine's parts that a learner can replace with their own class (the
-build-it-yourself track). The defaults are names too, loaded by :func:`load_component`
-like a learner's, so every engine the test suite builds goes through the same hook."""
+build-it-yourself track, ``build_it_yourself/``; ``minivllm check`` runs the engine's
+tests on one). The defaults are names too, loaded by :func:`load_component` like a
+learner's ("auto", "torch" and "triton" name the attention backends' classes,
+:data:`minivllm.attention.BACKEND_CLASSES`), so every engine the test suite builds goes
+through the same hook."""
 
 
 def load_component(name: str, spec: str | type) -> Any:

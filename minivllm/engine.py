@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.attention import resolve_backend
+from minivllm.attention import BACKEND_CLASSES, BACKENDS, resolve_backend
 from minivllm.config import (
     DTYPES,
     EngineConfig,
@@ -85,10 +85,18 @@ class LLMEngine:
         config = self.config
         self.dtype = DTYPES[config.dtype]
         self.device = resolve_device(config.device)
-        try:
-            self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        except (ValueError, RuntimeError) as e:
-            raise ValidationError("attention_backend", str(e), config.attention_backend) from None
+        spec = config.attention_backend
+        if isinstance(spec, str) and spec in BACKENDS:
+            try:
+                spec = BACKEND_CLASSES[resolve_backend(spec, self.device)]
+            except (ValueError, RuntimeError) as e:
+                raise ValidationError("attention_backend", str(e), config.attention_backend) from None
+        # Through the build-it-yourself hook, like the classes of _wire.
+        self.attention_backend_cls = load_component("attention_backend", spec)
+        # Its name ("torch", "triton") for logs and benchmark records; a learner's class
+        # that names none is called by its class name.
+        cls = self.attention_backend_cls
+        self.attention_backend = getattr(cls, "name", None) or cls.__name__
         try:
             self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         except ValueError as e:
@@ -103,12 +111,13 @@ class LLMEngine:
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
         config = self.config
-        # The two classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
+        # The classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
         # the project's own by default, a learner's when one is given.
         kv_cache_manager_cls = load_component("kv_cache_manager_cls", config.kv_cache_manager_cls)
         scheduler_cls = load_component("scheduler_cls", config.scheduler_cls)
-        self.kv_cache_manager = kv_cache_manager_cls(size.num_blocks, config.block_size,
-                                                     config.enable_prefix_caching)
+        self.kv_cache_manager = kv_cache_manager_cls(
+            size.num_blocks, config.block_size, config.enable_prefix_caching,
+            block_pool_cls=load_component("block_pool_cls", config.block_pool_cls))
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -117,7 +126,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.model_runner = model_runner or ModelRunner(
-            self.model, self.kv_cache_manager, self.attention_backend, self.device, self.dtype,
+            self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
             config.seed, linear_backend=self.linear_backend,
             sampler_cls=load_component("sampler_cls", config.sampler_cls),
         )

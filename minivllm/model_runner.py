@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
+from minivllm.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionBackend,
+    AttentionMetadata,
+    get_attn_backend,
+)
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import onednn_linear, plain_linears
@@ -55,7 +60,7 @@ class ModelRunner:
         self,
         model: PreTrainedModel,
         kv_cache_manager: KVCacheManager,
-        attention_backend: str,
+        attention_backend: str | type[AttentionBackend],
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
