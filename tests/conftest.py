@@ -37,8 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With --piece, keep a test when each of its `checks` marks names the piece (a
-    parametrized test may carry one on the test and one on a parameter)."""
+    """With --piece, keep a test when each of its `checks` marks names the piece: a
+    parametrized test may carry one on the test and one on each parameter, and
+    `checks()` naming no piece keeps that parameter out of every check."""
     piece = config.getoption("piece")
     if piece is None:
         return
