@@ -163,10 +163,11 @@ class _Plugin:
             self.passed.add(report.nodeid)
 
 
-def run(piece: str, spec: str | type, *, quiet: bool = False) -> Verdict:
+def run(piece: str, spec: str | type, *, select: str | None = None, quiet: bool = False) -> Verdict:
     """Run the engine's tests for ``piece`` on the class ``spec`` (a class, 'module:Class'
     or 'path/to/file.py:Class'); print the verdict (unless ``quiet``) and return it.
-    A verdict is true when every check passed."""
+    A verdict is true when every check passed. ``select``: only the checks whose names
+    match this pytest ``-k`` expression (to re-run one failing check quickly)."""
     import pytest  # a dev dependency (make setup installs it): only this command needs it
 
     if piece not in PIECES:
@@ -178,16 +179,17 @@ def run(piece: str, spec: str | type, *, quiet: bool = False) -> Verdict:
             f"minivllm check runs the engine's own tests, which live in the repository's "
             f"tests/ folder; there is none at {tests}. Run it from a clone of the repository "
             f"installed with `make setup` (an editable install).")
-    if isinstance(spec, str) and spec.split(":", 1)[0].endswith(".py"):
-        spec = str(Path(spec).expanduser().resolve()) + ":" + spec.rsplit(":", 1)[1]
+    if isinstance(spec, str) and spec.rpartition(":")[0].endswith(".py"):
+        where, _, name = spec.rpartition(":")  # the file relative to here, not to the repo
+        spec = f"{Path(where).expanduser().resolve()}:{name}"
     cls = load_component(p.field, spec)  # a ValidationError here names what is missing
     shown = spec if isinstance(spec, str) else f"{cls.__module__}.{cls.__qualname__}"
-    verdict = Verdict(piece, _short(shown))
+    verdict = Verdict(piece, _short(shown) + (f", -k {select!r}" if select else ""))
     plugin = _Plugin(p.field, cls, verdict)
     args = [str(tests / name) for name in p.test_files] + [
         "--piece", piece, "-p", "no:cacheprovider", "-p", "no:terminal", "-o", "addopts=",
         "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "--hypothesis-seed=0",
-    ]
+    ] + (["-k", select] if select else [])
     start = time.perf_counter()
     cwd = os.getcwd()
     os.chdir(REPO)  # hypothesis keeps its example database here (.hypothesis/, ignored by git)
@@ -214,11 +216,11 @@ def _short(spec: str) -> str:
         return spec
 
 
-def main(piece: str, spec: str) -> int:
+def main(piece: str, spec: str, select: str | None = None) -> int:
     """The ``minivllm check`` command: 0 when every check passed, 1 when one failed,
     2 when the class cannot be loaded."""
     try:
-        verdict = run(piece, spec)
+        verdict = run(piece, spec, select=select)
     except (ValidationError, FileNotFoundError) as e:
         print(f"minivllm check {piece}: {e}")
         return 2

@@ -50,7 +50,7 @@ def _warmup(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from minivllm.check import main
 
-    return main(args.piece, args.spec)
+    return main(args.piece, args.spec, args.select)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("piece", choices=list(PIECES))
     check.add_argument("spec", help="your class: 'path/to/file.py:Class' or 'module:Class', "
                                     "e.g. build_it_yourself/block_pool.py:MyBlockPool")
+    check.add_argument("-k", dest="select", default=None, metavar="EXPR",
+                       help="only the checks whose names match EXPR (pytest -k), e.g. the one "
+                            "that failed")
     check.set_defaults(func=_check)
     return parser
 
