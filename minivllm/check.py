@@ -189,6 +189,7 @@ def run(piece: str, spec: str | type, *, select: str | None = None, quiet: bool 
     args = [str(tests / name) for name in p.test_files] + [
         "--piece", piece, "-p", "no:cacheprovider", "-p", "no:terminal", "-o", "addopts=",
         "--rootdir", str(REPO), "-c", str(REPO / "pyproject.toml"), "--hypothesis-seed=0",
+        "--hypothesis-profile=minivllm-check",
     ] + (["-k", select] if select else [])
     start = time.perf_counter()
     cwd = os.getcwd()

@@ -24,6 +24,11 @@ matplotlib.use("Agg")
 # name through the same hook, minivllm.config.load_component).
 import pytest  # noqa: E402
 from helpers import Components  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# minivllm check selects this profile: one failure per property test, not an
+# ExceptionGroup of several, so the verdict's line is the assertion's own message.
+settings.register_profile("minivllm-check", report_multiple_bugs=False)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

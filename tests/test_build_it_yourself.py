@@ -12,7 +12,8 @@ by name through the same hook (the ``components`` fixture of tests/conftest.py g
 defaults of ``EngineConfig``'s component fields unless told otherwise), so ``make test``
 passing is the proof that the project's own implementations pass through the hook.
 
-Each check runs the real command in a fresh interpreter, as a learner does.
+The checks run in this process, as a notebook cell runs them; two tests run the
+command itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.check import PIECES, REPO
+from minivllm.check import PIECES, REPO, run
 
 STUBS = {
     "block_pool": "block_pool.py:MyBlockPool",
@@ -48,6 +49,7 @@ TESTS = Path(__file__).parent
 
 
 def check(piece: str, spec: str, *select: str) -> subprocess.CompletedProcess:
+    """The real command, in a fresh interpreter, as a learner runs it."""
     return subprocess.run([sys.executable, "-m", "minivllm.cli", "check", piece, spec, *select],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
 
@@ -71,34 +73,46 @@ def test_every_piece_has_a_stub_a_wrong_version_and_checks_in_its_files():
         assert f"minivllm check {piece} build_it_yourself/{stub}" in readme
 
 
+# In this process (``minivllm.check.run``, what a notebook cell calls): a fresh
+# interpreter per check would add its start-up (torch, transformers) 21 times.
+
 @pytest.mark.parametrize("piece", list(PIECES))
 def test_the_engines_own_class_passes_through_the_hook(piece):
-    result = check(piece, PIECES[piece].engine_class)
-    assert result.returncode == 0, result.stdout + result.stderr
-    passed, total = counts(result.stdout.splitlines()[0], piece)
-    assert passed == total >= 5, result.stdout
-    assert "✓ all of the engine's" in result.stdout
+    verdict = run(piece, PIECES[piece].engine_class, quiet=True)
+    assert verdict.ok and verdict.total >= 5, str(verdict)
+    assert "✓ all of the engine's" in str(verdict)
 
 
 @pytest.mark.parametrize("piece", list(PIECES))
 def test_the_stub_fails_with_a_readable_verdict(piece):
-    result = check(piece, f"build_it_yourself/{STUBS[piece]}")
-    assert result.returncode == 1, result.stdout + result.stderr
-    passed, total = counts(result.stdout.splitlines()[0], piece)
-    assert passed < total, result.stdout
-    assert "✗ test_" in result.stdout and "NotImplementedError" in result.stdout, result.stdout
-    assert "Traceback" not in result.stdout + result.stderr
+    verdict = run(piece, str(REPO / "build_it_yourself" / STUBS[piece]), quiet=True)
+    text = str(verdict)
+    assert not verdict.ok and verdict.passed < verdict.total, text
+    assert counts(text.splitlines()[0], piece) == (verdict.passed, verdict.total)
+    assert "✗ test_" in text and "NotImplementedError: My" in text, text
 
 
 @pytest.mark.parametrize("piece", list(PIECES))
 def test_a_wrong_implementation_fails(piece):
-    """Only the check that catches the mistake runs (``-k``, as a learner re-runs the one
-    that failed): the whole set would repeat the time of (a) for nothing more."""
+    """Only the check that catches the mistake runs (``select``, as a learner re-runs the
+    one that failed with -k): the whole set would repeat the time of the first test."""
     cls, failing = WRONG[piece]
-    result = check(piece, f"tests/wrong_pieces.py:{cls}", "-k", failing)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert result.stdout.startswith(f"{piece}: 0/1 checks passed"), result.stdout
-    assert "✗ test_" in result.stdout and f"::{failing}" in result.stdout, result.stdout
+    verdict = run(piece, f"{TESTS / 'wrong_pieces.py'}:{cls}", select=failing, quiet=True)
+    assert (verdict.passed, verdict.total) == (0, 1), str(verdict)
+    assert verdict.failures[0].test.endswith(f"::{failing}"), str(verdict)
+
+
+# The command itself: its exit status and output, in a fresh interpreter.
+
+def test_the_command_passes_the_engines_sampler_and_fails_the_stub():
+    ok = check("sampler", "minivllm.sampler:Sampler")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    passed, total = counts(ok.stdout.splitlines()[0], "sampler")
+    assert passed == total >= 5 and "✓" in ok.stdout
+    stub = check("sampler", "build_it_yourself/sampler.py:MySampler", "-k", "greedy")
+    assert stub.returncode == 1, stub.stdout + stub.stderr
+    assert "NotImplementedError: MySampler.greedy" in stub.stdout
+    assert "Traceback" not in stub.stdout + stub.stderr
 
 
 def test_a_class_that_cannot_be_loaded_is_refused_with_status_2():
