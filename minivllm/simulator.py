@@ -151,10 +151,14 @@ class CostModel:
 # -- calibration: one cost model per machine and engine settings ---------------------------
 def cpu_name() -> str:
     """The CPU's model name as the operating system reports it."""
-    try:
+    try:  # Linux; a virtual machine may say only "AMD EPYC": family and model tell more
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            name, _, value = line.partition(":")
+            fields.setdefault(name.strip(), value.strip())
+        if "model name" in fields:
+            ids = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
+            return fields["model name"] + (f" ({', '.join(ids)})" if ids else "")
     except OSError:
         pass
     if platform.system() == "Darwin":

@@ -142,8 +142,17 @@ CALIBRATION_HELD_OUT = {"prompt_len": (100, 600), "output_len": (8, 64), "rate":
 arriving over time (the fit saw 20-300-token prompts, all at once and at 2 req/s)."""
 
 
+MAX_CALIBRATION_ERROR = 0.25
+"""A calibration whose held-out error is larger is not saved: the machine was busy, or
+the model does not fit it, and silent numbers from it would be worse than the warning."""
+
+
+class CalibrationError(RuntimeError):
+    """The calibration's own check failed; nothing was saved."""
+
+
 def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_seed: int = 12,
-              **settings) -> dict:
+              fit_rate: float = 4.0, max_error: float = MAX_CALIBRATION_ERROR, **settings) -> dict:
     """Fit this machine's cost model, check it on a held-out workload, and cache it
     where :meth:`~minivllm.simulator.CostModel.for_this_machine` (every simulated engine
     made without a cost model) will find it. About half a minute on two cores.
@@ -153,23 +162,40 @@ def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_s
     ``n`` arriving at 2 req/s (every mix of chunks and decodes); held out, a workload of
     another seed and shape (:data:`CALIBRATION_HELD_OUT`). ``settings``: EngineConfig
     fields that change a step's cost (``dtype``, ``attention_backend``,
-    ``linear_backend``), which are part of the cache key.
+    ``linear_backend``), which are part of the cache key. A held-out error above
+    ``max_error`` raises :class:`CalibrationError` and saves nothing.
     """
-    key = calibration_key(model=model, **settings)
-    path = calibration_path(key)
     t = time.perf_counter()
-    res = fit_simulator(model, fit_seeds=(seed,), heldout_seed=heldout_seed, n=n,
+    res = fit_simulator(model, fit_seeds=(seed,), heldout_seed=heldout_seed, n=n, fit_rate=fit_rate,
                         heldout_shape={"n": n, **CALIBRATION_HELD_OUT}, source="calibrated on this machine",
                         command=f"minivllm.simulator_fit.calibrate(n={n})", **settings)
     cm = res["cost_model"]
-    cm.meta["calibration_key"] = key
     cm.meta["calibration_seconds"] = time.perf_counter() - t
-    cm.save(path)
     held = cm.meta["held_out"]
+    if abs(held["error"]) > max_error:
+        raise CalibrationError(
+            f"the calibrated model missed its held-out workload by {held['error']:+.0%} (measured "
+            f"{held['measured_wall_s']:.1f} s, predicted {held['predicted_s']:.1f} s; fit R^2 "
+            f"{cm.meta['fit']['r2']:.2f}), more than {max_error:.0%}: nothing was saved. Was the "
+            f"machine busy? Run it again with nothing else running.")
+    path = save_calibration(cm, model=model, **settings)
     logger.info("Calibrated the simulator in %.0f s: held-out %s measured %.2f s, predicted "
                 "%.2f s (%+.1f%%); saved %s", cm.meta["calibration_seconds"], held["workload"],
                 held["measured_wall_s"], held["predicted_s"], 100 * held["error"], path)
     return {**res, "path": path}
+
+
+def save_calibration(cost_model: CostModel, source: str | None = None, **settings: str) -> Path:
+    """Make ``cost_model`` this machine's calibration for these engine settings
+    (:func:`~minivllm.simulator.calibration_key`: model, dtype, backends), where every
+    simulated engine made without a cost model finds it; returns the file."""
+    key = calibration_key(**settings)
+    cost_model.meta.update(calibration_key=key, cpu=key["cpu"])
+    if source is not None:
+        cost_model.meta["source"] = source
+    path = calibration_path(key)
+    cost_model.save(path)
+    return path
 
 
 def plot_cost_model_fit(cost_model: CostModel, traces: Sequence[Trace], ax=None):

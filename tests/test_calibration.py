@@ -86,9 +86,14 @@ def simulator_params(max_tokens: int):
 
 @pytest.mark.slow
 def test_calibrate_fits_checks_and_caches_this_machines_model(empty_cache):
-    from minivllm.simulator_fit import calibrate
+    from minivllm.simulator_fit import CalibrationError, calibrate
 
-    res = calibrate(n=4)
+    # A model that misses its held-out check is refused, and nothing is saved. (Four
+    # requests are too few for a good model; the bound here is zero to force a miss.)
+    with pytest.raises(CalibrationError, match="nothing was saved"):
+        calibrate(n=4, max_error=0.0)
+    assert not calibration_path(calibration_key()).exists()
+    res = calibrate(n=4, max_error=float("inf"))
     cm = res["cost_model"]
     assert res["path"] == calibration_path(calibration_key()) and res["path"].exists()
     assert min(cm.coefficients.values()) >= 0

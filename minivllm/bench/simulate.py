@@ -19,7 +19,7 @@ from minivllm import simulator
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
 from minivllm.metrics import percentile
 from minivllm.simulator import SimulationResult, simulate
-from minivllm.simulator_fit import calibrate, fit_simulator, plot_cost_model_fit
+from minivllm.simulator_fit import CalibrationError, calibrate, fit_simulator, plot_cost_model_fit
 from minivllm.workload import iter_workload
 
 
@@ -62,7 +62,11 @@ def fit_main(args: argparse.Namespace) -> int:
 
 def calibrate_main(args: argparse.Namespace) -> int:
     """``minivllm bench calibrate``: fit this machine's cost model, check it, cache it."""
-    res = calibrate(args.model, n=args.num_requests or 24)
+    try:
+        res = calibrate(args.model, n=args.num_requests or 24)
+    except CalibrationError as e:
+        print(f"calibration failed: {e}", file=sys.stderr)
+        return 1
     cm = res["cost_model"]
     held = cm.meta["held_out"]
     print(f"this machine: {cm.meta['cpu']}, torch {cm.meta['torch']}, "
