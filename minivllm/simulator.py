@@ -212,7 +212,24 @@ def step_intervals(trace: Trace) -> list[tuple[StepRecord, float]]:
     return out
 
 
-def fit_cost_model(traces: Sequence[Trace], meta: dict | None = None) -> CostModel:
+OUTLIER_MADS = 5.0
+"""A step whose time is further than this many (scaled) median absolute deviations from
+the first fit is left out of the second (see :func:`fit_cost_model`)."""
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+
+    # Columns scaled to unit norm so that features of very different sizes (a constant,
+    # thousands of attended keys) weigh alike in the solver's stopping rule.
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    coef, _ = nnls(x / norms, y)
+    return coef / norms
+
+
+def fit_cost_model(traces: Sequence[Trace], meta: dict | None = None,
+                   outlier_mads: float | None = OUTLIER_MADS) -> CostModel:
     """Non-negative least-squares fit of the step cost (see :func:`step_intervals`) over
     the steps of one or more real-runner traces.
 
@@ -222,9 +239,13 @@ def fit_cost_model(traces: Sequence[Trace], meta: dict | None = None) -> CostMod
     other and return a negative coefficient, which fits the data it saw and extrapolates
     to nonsense (a long enough prompt predicted to cost less than nothing).
     ``scipy.optimize.nnls`` keeps every coefficient >= 0 (Lawson and Hanson's algorithm).
-    """
-    from scipy.optimize import nnls
 
+    On a shared machine a few steps take many times what their work costs (another
+    process took the cores). Least squares chases them, so the fit is made twice: the
+    steps further than ``outlier_mads`` median absolute deviations from the first fit
+    are left out of the second (``meta["fit"]["num_outliers"]`` counts them; None: one
+    plain fit). The held-out check (:mod:`minivllm.simulator_fit`) judges the result.
+    """
     rows, y = [], []
     for trace in traces:
         for step, seconds in step_intervals(trace):
@@ -233,16 +254,19 @@ def fit_cost_model(traces: Sequence[Trace], meta: dict | None = None) -> CostMod
     x, y = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
     if len(y) == 0:
         raise ValueError("the traces hold no steps to fit: run the real engine first")
-    # Columns scaled to unit norm so that features of very different sizes (a constant,
-    # thousands of attended keys) weigh alike in the solver's stopping rule.
-    norms = np.linalg.norm(x, axis=0)
-    norms[norms == 0] = 1.0
-    coef, _ = nnls(x / norms, y)
-    coef = coef / norms
+    coef = _nnls(x, y)
+    keep = np.ones(len(y), dtype=bool)
+    if outlier_mads is not None:
+        residual = y - x @ coef
+        mad = 1.4826 * np.median(np.abs(residual - np.median(residual)))
+        if mad > 0:
+            keep = np.abs(residual - np.median(residual)) <= outlier_mads * mad
+            coef = _nnls(x[keep], y[keep])
     pred = x @ coef
     meta = dict(meta or {})
     meta["fit"] = {
         "num_steps": len(y),
+        "num_outliers": int((~keep).sum()),
         "total_measured_s": float(y.sum()),
         "total_predicted_s": float(pred.sum()),
         "rmse_s": float(np.sqrt(np.mean((pred - y) ** 2))),

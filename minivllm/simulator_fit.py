@@ -88,6 +88,7 @@ def fit_simulator(
     fit_rate: float = 2.0,
     out_path: str | Path | None = None,
     command: str = "",
+    fit_shape: dict | None = None,
     heldout_shape: dict | None = None,
     source: str = "fitted by minivllm bench fit-simulator",
     **settings,
@@ -109,13 +110,16 @@ def fit_simulator(
     traces = []
     for seed in fit_seeds:
         for rate in (None, fit_rate):
-            tr, wall = _measure(engine, chat_workload(tok, n, seed, rate=rate), f"fit{seed}-{rate}")
+            workload = chat_workload(tok, n, seed, rate=rate, **(fit_shape or {}))
+            tr, wall = _measure(engine, workload, f"fit{seed}-{rate}")
             logger.info("fit run seed %d rate %s: %d steps, %.1f s", seed, rate, len(tr.steps), wall)
             traces.append(tr)
     shape = {"n": n, **(heldout_shape or {})}
     held_workload = chat_workload(tok, seed=heldout_seed, **shape)
     held_trace, held_wall = _measure(engine, chat_workload(tok, seed=heldout_seed, **shape), "heldout")
-    fit_workloads = f"chat_workload(n={n}, seed in {list(fit_seeds)}), all at once and at {fit_rate} req/s"
+    fit_args = "".join(f", {k}={v}" for k, v in (fit_shape or {}).items())
+    fit_workloads = (f"chat_workload(n={n}{fit_args}, seed in {list(fit_seeds)}), all at once and "
+                     f"at {fit_rate} req/s")
     cm = fit_cost_model(traces, {**_describe(engine, model, fit_workloads, command), "source": source})
     cfg = engine.config
     sim = make_simulated_engine(cm, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
@@ -137,9 +141,12 @@ def fit_simulator(
     return {"cost_model": cm, "traces": traces, "held_out_trace": held_trace}
 
 
-CALIBRATION_HELD_OUT = {"prompt_len": (100, 600), "output_len": (8, 64), "rate": 4.0}
+CALIBRATION_FIT = {"output_len": (8, 64)}
+"""The calibration's fit workloads: the chat workload's prompts (20-300 tokens), outputs
+shorter than its 16-128, so that a calibration stays short where every step is slow."""
+CALIBRATION_HELD_OUT = {"prompt_len": (100, 400), "output_len": (8, 48), "rate": 4.0}
 """The held-out check of a calibration: another seed, longer prompts, shorter outputs,
-arriving over time (the fit saw 20-300-token prompts, all at once and at 2 req/s)."""
+arriving at another rate."""
 
 
 MAX_CALIBRATION_ERROR = 0.25
@@ -152,14 +159,15 @@ class CalibrationError(RuntimeError):
 
 
 def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_seed: int = 12,
-              fit_rate: float = 4.0, max_error: float = MAX_CALIBRATION_ERROR, **settings) -> dict:
+              fit_rate: float = 2.0, max_error: float = MAX_CALIBRATION_ERROR, **settings) -> dict:
     """Fit this machine's cost model, check it on a held-out workload, and cache it
     where :meth:`~minivllm.simulator.CostModel.for_this_machine` (every simulated engine
-    made without a cost model) will find it. About half a minute on two cores.
+    made without a cost model) will find it. It takes as long as the machine needs for
+    about 300 steps of the real engine (87 s on a slow 2-core VM).
 
     The same measure-fit-check loop as :func:`fit_simulator`, shorter: one seed's
     ``n`` requests all at once (decode batches up to ``n``, full prefill budgets) and
-    ``n`` arriving at 2 req/s (every mix of chunks and decodes); held out, a workload of
+    ``n`` arriving at ``fit_rate`` (every mix of chunks and decodes); held out, a workload of
     another seed and shape (:data:`CALIBRATION_HELD_OUT`). ``settings``: EngineConfig
     fields that change a step's cost (``dtype``, ``attention_backend``,
     ``linear_backend``), which are part of the cache key. A held-out error above
@@ -167,7 +175,7 @@ def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_s
     """
     t = time.perf_counter()
     res = fit_simulator(model, fit_seeds=(seed,), heldout_seed=heldout_seed, n=n, fit_rate=fit_rate,
-                        heldout_shape={"n": n, **CALIBRATION_HELD_OUT}, source="calibrated on this machine",
+                        fit_shape=CALIBRATION_FIT, heldout_shape={"n": n, **CALIBRATION_HELD_OUT}, source="calibrated on this machine",
                         command=f"minivllm.simulator_fit.calibrate(n={n})", **settings)
     cm = res["cost_model"]
     cm.meta["calibration_seconds"] = time.perf_counter() - t
