@@ -62,7 +62,12 @@ def test_a_calibration_for_this_machine_is_used_without_a_warning(empty_cache, c
 
 def test_figures_of_simulated_time_name_their_cost_model(empty_cache):
     from minivllm import viz
-    from minivllm.bench import latency_benchmark, plot_latency_vs_rate
+    from minivllm.bench import (
+        chunked_prefill_benchmark,
+        latency_benchmark,
+        plot_chunked_prefill,
+        plot_latency_vs_rate,
+    )
 
     engine = make_simulated_engine(CostModel({n: 1e-3 for n in simulator.FEATURES},
                                              {"source": "a test model"}))
@@ -76,6 +81,11 @@ def test_figures_of_simulated_time_name_their_cost_model(empty_cache):
     points = latency_benchmark(lambda: make_simulated_engine(), [1.0], n=3)
     fig = plot_latency_vs_rate(points)
     assert "shipped" in fig.get_suptitle()
+    model = CostModel({n: 1e-3 for n in simulator.FEATURES}, {"source": "a test model"})
+    results = chunked_prefill_benchmark(
+        lambda **kw: make_simulated_engine(model, **kw), num_decodes=2, decode_prompt_len=8,
+        decode_tokens=4, long_prompt_len=64, inject_after_steps=1, chunk_budget=32)
+    assert "a test model" in plot_chunked_prefill(results).axes[0].get_title()
 
 
 def simulator_params(max_tokens: int):

@@ -132,6 +132,8 @@ class ChunkedPrefillResult:
     """When each of those gaps ended (seconds from the start)."""
     long_ttft: float
     long_arrival: float
+    time_source: str | None = None
+    """Where simulated times came from (``Trace.time_source``); None: the wall clock."""
 
     @property
     def max_itl(self) -> float:
@@ -199,7 +201,8 @@ def chunked_prefill_benchmark(
         order = np.argsort(times)
         lm = done["long"].metrics
         out.append(ChunkedPrefillResult(label, budget, chunked, [itls[i] for i in order],
-                                        [times[i] for i in order], lm.ttft, lm.arrival_time - t0))
+                                        [times[i] for i in order], lm.ttft, lm.arrival_time - t0,
+                                        engine.trace.time_source))
     return out
 
 
@@ -217,6 +220,9 @@ def plot_chunked_prefill(results: Sequence[ChunkedPrefillResult], ax=None):
     ax.set_xlabel("time (s); dotted: the long prompt arrives")
     ax.set_ylabel("inter-token latency (ms)")
     ax.legend(fontsize=8)
+    sources = sorted({r.time_source for r in results if r.time_source})
+    if sources:
+        ax.set_title("times: " + "; ".join(sources), fontsize=8, color="0.25")
     fig.tight_layout()
     return fig
 
