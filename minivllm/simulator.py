@@ -102,8 +102,8 @@ class CostModel:
     def label(self) -> str:
         """Which cost model this is, in a few words, for figures and logs."""
         source = self.meta.get("source", "given by hand")
-        where = self.meta.get("cpu") or self.meta.get("processor")
-        return f"{source}" + (f", fitted on {where}" if where else "")
+        cpu = self.meta.get("cpu") or self.meta.get("processor")
+        return f"cost model {source}" + (f", CPU {cpu}" if cpu else "")
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

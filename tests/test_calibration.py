@@ -54,7 +54,7 @@ def test_a_calibration_for_this_machine_is_used_without_a_warning(empty_cache, c
         engine = make_simulated_engine()
     assert not [r for r in caplog.records if "calibrated" in r.getMessage()]
     assert engine.model_runner.cost_model.coefficients == mine.coefficients
-    assert engine.trace.time_source == "simulated (calibrated on this machine, fitted on this CPU)"
+    assert engine.trace.time_source == "simulated (cost model calibrated on this machine, CPU this CPU)"
     # another backend is another machine, as far as step costs go
     other = make_simulated_engine(linear_backend="torch")
     assert "shipped" in other.trace.time_source
