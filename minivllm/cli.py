@@ -1,4 +1,4 @@
-"""The ``minivllm`` command: ``minivllm generate "prompt"``, ``minivllm serve`` (more subcommands join as they land)."""
+"""The ``minivllm`` command: ``minivllm generate "prompt"``, ``minivllm serve``, ``minivllm check`` (more subcommands join as they land)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from minivllm.check import main
+
+    return main(args.piece, args.spec, args.select)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``minivllm`` command's parser (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
@@ -84,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     warm.add_argument("--reconvert", action="store_true",
                       help="delete the cached conversion first (to time a first-time set-up)")
     warm.set_defaults(func=_warmup)
+
+    from minivllm.check import PIECES
+
+    check = sub.add_parser(
+        "check", help="run the engine's tests for one piece on your own class (build_it_yourself/)",
+        description="Run the engine's own tests for PIECE with your class in place of the "
+                    "engine's; exit status 0 only when all pass. Pieces: " +
+                    "; ".join(f"{name}: {p.writes}" for name, p in PIECES.items()))
+    check.add_argument("piece", choices=list(PIECES))
+    check.add_argument("spec", help="your class: 'path/to/file.py:Class' or 'module:Class', "
+                                    "e.g. build_it_yourself/block_pool.py:MyBlockPool")
+    check.add_argument("-k", dest="select", default=None, metavar="EXPR",
+                       help="only the checks whose names match EXPR (pytest -k), e.g. the one "
+                            "that failed")
+    check.set_defaults(func=_check)
     return parser
 
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.util
 import types
 import typing
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,8 +69,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(
         True, "cut long prompts into chunks that share steps with decodes")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
-    attention_backend: str = setting(
-        "auto", "'auto': Triton on CUDA, PyTorch elsewhere", BACKENDS)
+    attention_backend: str | type = setting(
+        "auto", "'torch' (the PyTorch reference), 'triton', 'auto' (Triton on CUDA, PyTorch "
+                "elsewhere), or an AttentionBackend class: a class, 'module:Class' or "
+                "'path/to/file.py:Class'")
     linear_backend: str = setting(
         "auto", "'auto': the model's linear layers run through oneDNN on a CPU "
                 "(minivllm.linear); 'torch': as they are", LINEAR_BACKENDS)
@@ -78,6 +83,20 @@ class EngineConfig:
         None, "keep only this many most recent steps in the trace (default: all)")
     log_stats_interval: float | None = setting(
         5.0, "seconds between throughput/KV-usage log lines on the 'minivllm' logger (0: off)")
+    scheduler_cls: str | type = setting(
+        "minivllm.core.scheduler:Scheduler",
+        "the scheduler class: a class, 'module:Class' or 'path/to/file.py:Class' "
+        "(build your own and plug it in; vLLM: --scheduler-cls)")
+    kv_cache_manager_cls: str | type = setting(
+        "minivllm.core.kv_cache_manager:KVCacheManager",
+        "the KV cache manager class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    block_pool_cls: str | type = setting(
+        "minivllm.core.block_pool:BlockPool",
+        "the block pool class the KV cache manager builds: a class, 'module:Class' or "
+        "'path/to/file.py:Class'")
+    sampler_cls: str | type = setting(
+        "minivllm.sampler:Sampler",
+        "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
 
     def __post_init__(self) -> None:
         self.verify()
@@ -112,6 +131,47 @@ class EngineConfig:
                                          optional=True)
         self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,
                                               minimum=0, optional=True)
+        for name in COMPONENT_FIELDS:
+            spec = getattr(self, name)
+            if name == "attention_backend" and spec in BACKENDS:
+                continue
+            if not (isinstance(spec, str) and ":" in spec or callable(spec)):
+                names = f"one of {BACKENDS}, " if name == "attention_backend" else ""
+                raise ValidationTypeError(
+                    name, f"{name} must be {names}a class, 'module:Class' or "
+                          f"'path/to/file.py:Class', got {spec!r}", spec)
+
+
+COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "sampler_cls",
+                    "attention_backend")
+"""The engine's parts that a learner can replace with their own class (the
+build-it-yourself track, ``build_it_yourself/``; ``minivllm check`` runs the engine's
+tests on one). The defaults are names too, loaded by :func:`load_component` like a
+learner's ("auto", "torch" and "triton" name the attention backends' classes,
+:data:`minivllm.attention.BACKEND_CLASSES`), so every engine the test suite builds goes
+through the same hook."""
+
+
+def load_component(name: str, spec: str | type) -> Any:
+    """The class a component field names: given as is, or imported from 'module:Class'
+    or 'path/to/file.py:Class' (a file that is not on the import path: a learner's own).
+    Anything that cannot be found is a ValidationError naming the field."""
+    if not isinstance(spec, str):
+        return spec
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser().resolve()
+            module_spec = importlib.util.spec_from_file_location(f"minivllm_user_{path.stem}", path)
+            if module_spec is None or not path.is_file():
+                raise FileNotFoundError(f"no file {path}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, attr)
+    except (ImportError, FileNotFoundError, AttributeError) as e:
+        raise ValidationError(name, f"{name} {spec!r} cannot be loaded: {e}", spec) from e
 
 
 def resolve_device(name: str) -> torch.device:

@@ -22,10 +22,16 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.attention import resolve_backend
-from minivllm.config import DTYPES, EngineConfig, KVCacheSize, resolve_device, size_kv_cache
-from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.scheduler import Scheduler, SchedulerOutput
+from minivllm.attention import BACKEND_CLASSES, BACKENDS, resolve_backend
+from minivllm.config import (
+    DTYPES,
+    EngineConfig,
+    KVCacheSize,
+    load_component,
+    resolve_device,
+    size_kv_cache,
+)
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.linear import resolve_linear_backend
@@ -79,10 +85,18 @@ class LLMEngine:
         config = self.config
         self.dtype = DTYPES[config.dtype]
         self.device = resolve_device(config.device)
-        try:
-            self.attention_backend = resolve_backend(config.attention_backend, self.device)
-        except (ValueError, RuntimeError) as e:
-            raise ValidationError("attention_backend", str(e), config.attention_backend) from None
+        spec = config.attention_backend
+        if isinstance(spec, str) and spec in BACKENDS:
+            try:
+                spec = BACKEND_CLASSES[resolve_backend(spec, self.device)]
+            except (ValueError, RuntimeError) as e:
+                raise ValidationError("attention_backend", str(e), config.attention_backend) from None
+        # Through the build-it-yourself hook, like the classes of _wire.
+        self.attention_backend_cls = load_component("attention_backend", spec)
+        # Its name ("torch", "triton") for logs and benchmark records; a learner's class
+        # that names none is called by its class name.
+        cls = self.attention_backend_cls
+        self.attention_backend = getattr(cls, "name", None) or cls.__name__
         try:
             self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         except ValueError as e:
@@ -97,9 +111,14 @@ class LLMEngine:
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
         config = self.config
-        self.kv_cache_manager = KVCacheManager(size.num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        # The classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
+        # the project's own by default, a learner's when one is given.
+        kv_cache_manager_cls = load_component("kv_cache_manager_cls", config.kv_cache_manager_cls)
+        scheduler_cls = load_component("scheduler_cls", config.scheduler_cls)
+        self.kv_cache_manager = kv_cache_manager_cls(
+            size.num_blocks, config.block_size, config.enable_prefix_caching,
+            block_pool_cls=load_component("block_pool_cls", config.block_pool_cls))
+        self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -107,8 +126,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.model_runner = model_runner or ModelRunner(
-            self.model, self.kv_cache_manager, self.attention_backend, self.device, self.dtype,
+            self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
             config.seed, linear_backend=self.linear_backend,
+            sampler_cls=load_component("sampler_cls", config.sampler_cls),
         )
         self.processor = Processor(self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)

@@ -51,13 +51,17 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
+        attention_backend: str | type = "auto",
         linear_backend: str = "auto",
         dtype: str = "float32",
         device: str = "auto",
         seed: int = 0,
         max_trace_steps: int | None = None,
         log_stats_interval: float | None = 5.0,
+        scheduler_cls: str | type = "minivllm.core.scheduler:Scheduler",
+        kv_cache_manager_cls: str | type = "minivllm.core.kv_cache_manager:KVCacheManager",
+        block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
+        sampler_cls: str | type = "minivllm.sampler:Sampler",
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -83,6 +87,10 @@ class LLM:
             seed=seed,
             max_trace_steps=max_trace_steps,
             log_stats_interval=log_stats_interval,
+            scheduler_cls=scheduler_cls,
+            kv_cache_manager_cls=kv_cache_manager_cls,
+            block_pool_cls=block_pool_cls,
+            sampler_cls=sampler_cls,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)

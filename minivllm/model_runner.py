@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
+from minivllm.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionBackend,
+    AttentionMetadata,
+    get_attn_backend,
+)
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import onednn_linear, plain_linears
@@ -55,11 +60,12 @@ class ModelRunner:
         self,
         model: PreTrainedModel,
         kv_cache_manager: KVCacheManager,
-        attention_backend: str,
+        attention_backend: str | type[AttentionBackend],
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
         linear_backend: str = "torch",
+        sampler_cls: type = Sampler,
     ) -> None:
         self.model = model
         self.device = device
@@ -77,7 +83,7 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
-        self.sampler = Sampler(seed)
+        self.sampler = sampler_cls(seed)
         self.generators: dict[str, torch.Generator] = {}
         """request_id -> the private generator of a request with a seed (vLLM keeps them in
         its input batch). Made when the request first samples, dropped when it finishes

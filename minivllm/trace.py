@@ -81,6 +81,9 @@ class Trace:
     """Keep only the last ``max_steps`` steps (long simulations keep memory flat)."""
     steps: deque[StepRecord] = field(default_factory=deque)
     requests: dict[str, RequestMetrics] = field(default_factory=dict)
+    time_source: str | None = None
+    """None: times are wall-clock seconds of a real run. Otherwise what made them up,
+    e.g. "simulated (calibrated here, fitted on ...)": figures print it."""
 
     def __post_init__(self) -> None:
         self.steps = deque(self.steps, maxlen=self.max_steps)

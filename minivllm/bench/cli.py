@@ -23,6 +23,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "prefix": prefix_caching.main,
     "linear": linear.main,
     "fit-simulator": simulate.fit_main,
+    "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
 }
 

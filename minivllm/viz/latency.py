@@ -20,6 +20,7 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     _new_axes,
     _new_figure,
+    _note_time_source,
 )
 
 # -- latency and memory ---------------------------------------------------------------
@@ -87,6 +88,7 @@ def plot_latency(trace: Trace, ax: Axes | Sequence[Axes] | None = None) -> Figur
     if axes[0] is not axes[1]:
         axes[0].set_title("Time to first token", fontsize=10)
         axes[1].set_title("Inter-token latency", fontsize=10)
+        _note_time_source(axes[1], trace.time_source)
     return fig
 
 
@@ -119,4 +121,5 @@ def plot_ttft_breakdown(trace: Trace, ax: Axes | None = None) -> Figure:
                        Patch(facecolor=PREFILL_COLOR, label="prefill time (computing the prompt)")],
               loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
     ax.set_title("Time to first token = queue time + prefill time (label: the TTFT)", fontsize=10)
+    _note_time_source(ax, trace.time_source)
     return fig

@@ -74,6 +74,15 @@ def _new_axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]
     return fig, fig.add_subplot()
 
 
+def _note_time_source(ax: Axes, source: str | None) -> None:
+    """Times that are not this machine's wall clock say where they came from (a
+    simulated run names its cost model, ``Trace.time_source``), in the axes' corner."""
+    if source:
+        ax.text(0.995, 0.015, f"times: {source}", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, color="0.25",
+                bbox=dict(facecolor="white", alpha=0.8, linewidth=0, pad=1.5))
+
+
 def _get_step(trace: Trace, step: int) -> StepRecord:
     if not trace.steps:
         raise ValueError("the trace has no steps yet: run the engine (e.g. llm.generate) first")

@@ -15,6 +15,7 @@ from minivllm.viz.style import (
     TIMELINE_SIZE,
     WAITING_COLOR,
     _new_axes,
+    _note_time_source,
     request_color,
 )
 
@@ -118,4 +119,5 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
                           label="arrival (request colour)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title("Request timeline: waiting, prefill, decode and preempted time", fontsize=10)
+    _note_time_source(ax, trace.time_source)
     return fig
