@@ -80,9 +80,16 @@ _ERRORS = {status: {"model": ErrorResponse, "description": what} for status, wha
 }.items()}
 
 
+# Before OpenAPI 3.2 (FastAPI writes 3.1), the schema of an event stream describes one
+# event as a client parses it: an object whose `data` is a JSON chunk, or "[DONE]" last.
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "one JSON chunk; the last event's data is [DONE]"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _json_and_sse(model: type) -> dict:
     return {200: {"model": model, "description": "the result, or server-sent events with stream=true",
-                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 # -- the app -----------------------------------------------------------------------------
