@@ -42,7 +42,7 @@ import zmq.asyncio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
-from minivllm.config import EngineConfig
+from minivllm.config import COMPONENT_FIELDS, EngineConfig
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine_core import (
     IDLE_POLL_MS,
@@ -58,6 +58,7 @@ from minivllm.engine_core import (
     UtilityResult,
     run_engine_core,
 )
+from minivllm.exceptions import ValidationError
 from minivllm.metrics import RequestMetrics
 from minivllm.model_loader import resolve_model_dir
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -85,6 +86,11 @@ class AsyncMPEngine(AsyncLLMEngine):
         tokenizer is loaded here from ``config.model`` unless given."""
         super().__init__(None, max_waiting, reject_over_length)  # type: ignore[arg-type]
         config.verify()
+        for name in COMPONENT_FIELDS:  # a class object would not reach a fresh interpreter
+            if not isinstance(getattr(config, name), str):
+                raise ValidationError(name, f"{name} must be a 'module:Class' string for an engine "
+                                      f"core in its own process, got {getattr(config, name)!r}",
+                                      getattr(config, name))
         self.config = config
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
         self._processor: Processor | None = None
