@@ -9,15 +9,15 @@ bounded waiting, aborts when a client goes) and replaces the thread with a proce
   and answers ``Ready`` with the numbers the server needs to check prompts itself
   (``max_model_len`` depends on the KV cache it sized). Until then ``is_ready`` is
   False (``/health`` answers 503) and new requests wait for it.
-* **Requests.** The server tokenizes with its own tokenizer and :class:`Processor`, and
+* **Requests.** The server tokenizes with its own tokenizer and :class:`~minivllm.processor.Processor`, and
   sends token ids (``AddRequest``). Aborts leave at once (``Abort``); the core applies
   them before its next step.
 * **Outputs.** One task reads the core's ``StepOutputs``: new token ids per request. It
-  detokenizes them here (an :class:`IncrementalDetokenizer` per request, as in the
+  detokenizes them here (an :class:`~minivllm.detokenizer.IncrementalDetokenizer` per request, as in the
   engine) and hands each stream a ``RequestOutput`` just like the in-process one.
 * **Death.** If the core process exits (a failed step, a kill, out of memory), ``error``
   is set, ``/health`` answers 500 and every open stream ends with
-  :class:`EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
+  :class:`~minivllm.async_engine.EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
 * **Shutdown.** ``Shutdown`` to the core, a join, and a kill if it does not go.
 
 In vLLM: ``vllm/v1/engine/core_client.py`` (``AsyncMPClient``) and the

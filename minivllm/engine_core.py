@@ -78,6 +78,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 ToCore = AddRequest | Abort | Utility | Shutdown
+"""Every message the server sends the core."""
 
 
 # -- core -> server ----------------------------------------------------------------------
@@ -122,6 +123,7 @@ class Failed(msgspec.Struct, tag=True):
 
 
 FromCore = Ready | StepOutputs | UtilityResult | Failed
+"""Every message the core sends the server."""
 
 
 # -- the process ---------------------------------------------------------------------------

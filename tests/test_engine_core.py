@@ -175,18 +175,23 @@ def serve_in_a_process() -> tuple[subprocess.Popen, list[int], str]:
     proc = subprocess.Popen([sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port),
                              "--max-num-seqs", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    cores = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
-    assert len(cores) == 1, "no engine core process"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        cores = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(cores) == 1, "no engine core process"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc, [int(c) for c in children], url
 
 
