@@ -140,6 +140,20 @@ def test_cli_has_bench(capsys):
 
 
 @pytest.mark.slow
+def test_bench_serve_drives_both_servers_and_the_offline_engine():
+    """Every row made every requested token: the server in each mode and offline."""
+    pytest.importorskip("httpx")
+    from minivllm.bench.serve import format_rows, make_prompts, serve_benchmark
+
+    prompts = {2: make_prompts(3, 16, 1000, seed=0)}
+    rows = serve_benchmark(prompts, 4, {"max_num_batched_tokens": 64})
+    assert [r.mode for r in rows] == ["offline", "server (thread)", "server (process)"]
+    assert all(r.num_requests == 3 and r.output_tokens == 12 and r.output_tok_s > 0 for r in rows)
+    assert all(r.itl_p50 > 0 and r.ttft_p99 >= r.ttft_p50 > 0 for r in rows)
+    assert format_rows(rows).count("\n") == 4  # a header, a rule, three rows
+
+
+@pytest.mark.slow
 def test_cli_bench_memory_and_simulate(capsys, tmp_path):
     from minivllm.cli import main
 

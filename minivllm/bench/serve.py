@@ -43,6 +43,7 @@ class ServeRow:
     """"offline", "server (thread)" or "server (process)"."""
     concurrency: int
     num_requests: int
+    output_tokens: int
     output_tok_s: float
     ttft_p50: float
     ttft_p99: float
@@ -57,7 +58,7 @@ def make_prompts(n: int, prompt_len: int, vocab_size: int, seed: int) -> list[li
 
 def summarise(mode: str, concurrency: int, tokens: int, span: float, ttfts: list[float],
               itls: list[float], n: int) -> ServeRow:
-    return ServeRow(mode, concurrency, n, tokens / span, percentile(ttfts, 50), percentile(ttfts, 99),
+    return ServeRow(mode, concurrency, n, tokens, tokens / span, percentile(ttfts, 50), percentile(ttfts, 99),
                     percentile(itls, 50), percentile(itls, 99))
 
 
