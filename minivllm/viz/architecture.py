@@ -109,3 +109,71 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
     ax.set_title("minivllm, one engine step: the parts, their modules (blue), the notebooks "
                  "that teach them (nb), and the numbered path of a step", fontsize=10)
     return fig
+
+
+# -- the two processes of minivllm serve, and what crosses between them -------------------
+
+# (title, module, what it does): the two sides of plot_process_split.
+_PROCESSES = {
+    "api_server": ("API server process", "minivllm/server.py, serving.py\nminivllm/core_client.py",
+                   ["HTTP (FastAPI, uvicorn), API key, limits", "validation: 400 before the core",
+                    "chat template, tokenize", "detokenize: ids -> text, SSE stream",
+                    "abort on client disconnect"]),
+    "engine_core": ("Engine core process", "minivllm/engine_core.py\nminivllm/engine.py",
+                    ["step loop: read messages, step, send", "scheduler: token budget, chunks",
+                     "KV cache manager, block pool", "model runner, attention, sampler",
+                     "never waits on a client"]),
+}
+# (from, to, message, what it carries): the arrows, one ZeroMQ socket each way.
+_PROCESS_MESSAGES = [
+    ("api_server", "engine_core", "AddRequest", "prompt token ids, SamplingParams"),
+    ("api_server", "engine_core", "Abort", "request ids, applied between two steps"),
+    ("engine_core", "api_server", "StepOutputs", "each request's new token ids, finish\n"
+     "reasons, scheduler gauges: one per step"),
+]
+
+
+def plot_process_split(ax: Axes | None = None) -> Figure:
+    """The two processes of ``minivllm serve`` and the messages between them (notebook 10).
+
+    The API server process does everything a client touches (HTTP, validation,
+    tokenization, detokenization, streaming); the engine core process runs only the step
+    loop, with the scheduler, the KV cache manager and the model runner. They share no
+    interpreter lock: the server's JSON work for every streamed token no longer takes
+    time from the model. Only small msgpack messages cross, token ids both ways and never
+    text: vLLM V1's ``AsyncMPClient`` and ``EngineCoreProc``.
+    """
+    fig, ax = _new_axes(ax, (11.0, 5.0))
+    w, h, xs = 4.2, 4.2, {"api_server": 2.3, "engine_core": 9.7}
+    for key, (title, module, duties) in _PROCESSES.items():
+        x = xs[key]
+        box = FancyBboxPatch((x - w / 2, 0.2), w, h, boxstyle="round,pad=0.08",
+                             facecolor="#f4f1e8", edgecolor="#555555", linewidth=1.0)
+        box.set_gid(f"process:{key}")
+        ax.add_patch(box)
+        ax.text(x, 0.2 + h - 0.3, title, ha="center", va="center", fontsize=11, fontweight="bold")
+        ax.text(x, 0.2 + h - 0.85, module, ha="center", va="center", fontsize=8,
+                family="monospace", color="#1f4e79")
+        for i, duty in enumerate(duties):
+            ax.text(x - w / 2 + 0.25, 0.2 + h - 1.6 - 0.55 * i, "- " + duty, ha="left",
+                    va="center", fontsize=8.5)
+    for i, (a, b, message, carries) in enumerate(_PROCESS_MESSAGES):
+        y = 3.7 - 1.25 * i
+        start = xs[a] + (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
+        end = xs[b] - (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
+        arrow = ax.annotate("", xy=(end, y), xytext=(start, y),
+                            arrowprops=dict(arrowstyle="-|>", color="#333333", lw=1.4))
+        arrow.set_gid(f"message:{message}")
+        ax.text((start + end) / 2, y + 0.15, message, ha="center", va="bottom", fontsize=9,
+                fontweight="bold", color="#8b2f00")
+        ax.text((start + end) / 2, y - 0.12, carries, ha="center", va="top", fontsize=7.5,
+                color="#8b2f00")
+    ax.text(6.0, 0.35, "two ZeroMQ sockets,\nmsgpack (msgspec)", ha="center", va="bottom",
+            fontsize=8, style="italic", color="#555555")
+    ax.set_xlim(-0.1, 12.1)
+    ax.set_ylim(0.0, 4.7)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("minivllm serve: two processes, and what crosses between them (token ids, "
+                 "never text)", fontsize=10)
+    return fig
