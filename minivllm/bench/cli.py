@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
     parser.add_argument("--concurrencies", default="1,8,32", help="serve: client concurrencies")
+    parser.add_argument("--serve-rates", default="",
+                        help="serve: a request-rate sweep, Poisson arrivals at each rate in requests "
+                             "per second (e.g. 0.5,1,2); none by default")
     parser.add_argument("--prompt-len", type=int, default=128, help="serve: prompt tokens per request")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve: output tokens per request")
     parser.add_argument("--serve-modes", default="thread,process",

@@ -9,6 +9,12 @@ through the offline engine with ``max_num_seqs = c``. Each row: output tokens pe
 (and its ratio to the offline engine's), time to first token and inter-token latency
 percentiles, as the client saw them.
 
+``--serve-rates`` adds a request-rate sweep (an open loop, as ``vllm bench serve
+--request-rate`` does): requests arrive as a Poisson process at each rate, whether or not
+earlier ones have finished, so a server that falls behind builds a queue, and its TTFT
+shows it. Rate rows have no offline twin (the offline engine gets every request at once),
+so their "x offline" column is empty.
+
 Prompts are random token ids (``--prompt-len``, 128 by default) with ``ignore_eos``, so
 every request makes exactly ``--max-tokens`` tokens (64), everywhere. The offline
 engine gets all requests at once, so its TTFT is counted from each request's admission
@@ -49,6 +55,8 @@ class ServeRow:
     ttft_p99: float
     itl_p50: float
     itl_p99: float
+    rate: float | None = None
+    """Requests per second of a Poisson arrival sweep row; None for a closed-loop row."""
 
 
 def make_prompts(n: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -57,9 +65,9 @@ def make_prompts(n: int, prompt_len: int, vocab_size: int, seed: int) -> list[li
 
 
 def summarise(mode: str, concurrency: int, tokens: int, span: float, ttfts: list[float],
-              itls: list[float], n: int) -> ServeRow:
+              itls: list[float], n: int, rate: float | None = None) -> ServeRow:
     return ServeRow(mode, concurrency, n, tokens, tokens / span, percentile(ttfts, 50), percentile(ttfts, 99),
-                    percentile(itls, 50), percentile(itls, 99))
+                    percentile(itls, 50), percentile(itls, 99), rate)
 
 
 # -- offline --------------------------------------------------------------------------------
@@ -122,6 +130,35 @@ async def drive(url: str, prompts: list[list[int]], max_tokens: int, concurrency
                      [x for r in results for x in r[1]], len(results))
 
 
+async def drive_poisson(url: str, prompts: list[list[int]], max_tokens: int, rate: float, mode: str,
+                        seed: int = 0) -> ServeRow:
+    """An open loop: request i is sent at the i-th arrival of a Poisson process of ``rate``
+    requests per second (exponential gaps), however many are still running. Its
+    concurrency column is the most requests that were in flight at once."""
+    import httpx
+
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=len(prompts))
+    in_flight, most = 0, 0
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await one_request(http, prompts[0], 4)  # warm up
+
+        async def arrive(delay: float, prompt: list[int]) -> tuple[float, list[float], int]:
+            nonlocal in_flight, most
+            await asyncio.sleep(delay)
+            in_flight += 1
+            most = max(most, in_flight)
+            try:
+                return await one_request(http, prompt, max_tokens)
+            finally:
+                in_flight -= 1
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(arrive(t, p) for t, p in zip(np.cumsum(gaps), prompts)))
+        span = time.perf_counter() - start
+    return summarise(mode, most, sum(r[2] for r in results), span, [r[0] for r in results],
+                     [x for r in results for x in r[1]], len(results), rate)
+
+
 def start_server(engine_process: bool, settings: dict, timeout: float = 300) -> tuple[subprocess.Popen, str]:
     """``minivllm serve`` in a process of its own; returns once ``/health`` says 200."""
     import httpx
@@ -150,8 +187,10 @@ def start_server(engine_process: bool, settings: dict, timeout: float = 300) -> 
 
 
 def serve_benchmark(prompts_for: dict[int, list[list[int]]], max_tokens: int, settings: dict,
-                    modes: tuple[str, ...] = ("thread", "process")) -> list[ServeRow]:
-    """Offline, then each server mode, at every concurrency; rows in that order."""
+                    modes: tuple[str, ...] = ("thread", "process"),
+                    rates: dict[float, list[list[int]]] | None = None) -> list[ServeRow]:
+    """Offline, then each server mode, at every concurrency, then at every request rate
+    (Poisson arrivals); rows in that order."""
     rows = [run_offline(p, max_tokens, c, settings) for c, p in prompts_for.items()]
     server_settings = {**settings, "max_num_seqs": max(prompts_for)}
     for mode in modes:
@@ -159,6 +198,8 @@ def serve_benchmark(prompts_for: dict[int, list[list[int]]], max_tokens: int, se
         try:
             for c, prompts in prompts_for.items():
                 rows.append(asyncio.run(drive(url, prompts, max_tokens, c, f"server ({mode})")))
+            for rate, prompts in (rates or {}).items():
+                rows.append(asyncio.run(drive_poisson(url, prompts, max_tokens, rate, f"server ({mode})")))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -167,11 +208,14 @@ def serve_benchmark(prompts_for: dict[int, list[list[int]]], max_tokens: int, se
 
 def format_rows(rows: list[ServeRow]) -> str:
     offline = {r.concurrency: r.output_tok_s for r in rows if r.mode == "offline"}
-    lines = ["| mode | concurrency | requests | out tok/s | x offline | TTFT p50 / p99 (ms) "
+    lines = ["| mode | load | requests | out tok/s | x offline | TTFT p50 / p99 (ms) "
              "| ITL p50 / p99 (ms) |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in sorted(rows, key=lambda r: (r.concurrency, r.mode)):
-        lines.append(f"| {r.mode} | {r.concurrency} | {r.num_requests} | {r.output_tok_s:.1f} | "
-                     f"{r.output_tok_s / offline[r.concurrency]:.2f} | {r.ttft_p50 * 1e3:.0f} / "
+    for r in sorted(rows, key=lambda r: (r.rate is not None, r.rate or r.concurrency, r.mode)):
+        load = f"concurrency {r.concurrency}" if r.rate is None else (
+            f"{r.rate:g} req/s (at most {r.concurrency} in flight)")
+        ratio = "" if r.rate is not None else f"{r.output_tok_s / offline[r.concurrency]:.2f}"
+        lines.append(f"| {r.mode} | {load} | {r.num_requests} | {r.output_tok_s:.1f} | "
+                     f"{ratio} | {r.ttft_p50 * 1e3:.0f} / "
                      f"{r.ttft_p99 * 1e3:.0f} | {r.itl_p50 * 1e3:.0f} / {r.itl_p99 * 1e3:.0f} |")
     return "\n".join(lines)
 
@@ -185,7 +229,11 @@ def main(args: argparse.Namespace) -> int:
     vocab = len(load_tokenizer(args.model))
     prompts_for = {c: make_prompts(args.num_requests or max(4, 2 * c), args.prompt_len, vocab,
                                    args.seed + c) for c in concurrencies}
+    rates = {float(r): make_prompts(args.num_requests or 16, args.prompt_len, vocab, args.seed + 1000 + i)
+             for i, r in enumerate(args.serve_rates.split(",")) if r}
+    if any(r <= 0 for r in rates):
+        raise SystemExit(f"--serve-rates must be positive requests per second, got {args.serve_rates!r}")
     modes = tuple(args.serve_modes.split(","))
-    rows = serve_benchmark(prompts_for, args.max_tokens, settings, modes)
+    rows = serve_benchmark(prompts_for, args.max_tokens, settings, modes, rates)
     print(format_rows(rows))
     return 0
