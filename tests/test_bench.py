@@ -140,6 +140,26 @@ def test_cli_has_bench(capsys):
 
 
 @pytest.mark.slow
+def test_bench_serve_drives_both_servers_and_the_offline_engine():
+    """Every row made every requested token: the server in each mode and offline."""
+    pytest.importorskip("httpx")
+    from minivllm.bench.serve import format_rows, make_prompts, serve_benchmark
+
+    prompts = {2: make_prompts(3, 16, 1000, seed=0)}
+    rates = {20.0: make_prompts(3, 16, 1000, seed=1)}  # Poisson arrivals, 20 requests/s
+    rows = serve_benchmark(prompts, 4, {"max_num_batched_tokens": 64}, rates=rates)
+    assert [(r.mode, r.rate) for r in rows] == [
+        ("offline", None), ("server (thread)", None), ("server (thread)", 20.0),
+        ("server (process)", None), ("server (process)", 20.0)]
+    assert all(r.num_requests == 3 and r.output_tokens == 12 and r.output_tok_s > 0 for r in rows)
+    assert all(r.itl_p50 > 0 and r.ttft_p99 >= r.ttft_p50 > 0 for r in rows)
+    assert all(1 <= r.concurrency <= 3 for r in rows if r.rate)  # the most in flight at once
+    table = format_rows(rows)
+    assert table.count("\n") == 6  # a header, a rule, five rows
+    assert table.count("20 req/s") == 2  # one rate row per server mode
+
+
+@pytest.mark.slow
 def test_cli_bench_memory_and_simulate(capsys, tmp_path):
     from minivllm.cli import main
 

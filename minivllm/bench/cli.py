@@ -11,7 +11,7 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from minivllm.bench import latency, linear, memory, prefix_caching, simulate, throughput
+from minivllm.bench import latency, linear, memory, prefix_caching, serve, simulate, throughput
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
@@ -25,6 +25,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
+    "serve": serve.main,
 }
 
 
@@ -44,6 +45,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory: the contiguous reservation per request (not an engine setting)")
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
+    parser.add_argument("--concurrencies", default="1,8,32", help="serve: client concurrencies")
+    parser.add_argument("--serve-rates", default="",
+                        help="serve: a request-rate sweep, Poisson arrivals at each rate in requests "
+                             "per second (e.g. 0.5,1,2); none by default")
+    parser.add_argument("--prompt-len", type=int, default=128, help="serve: prompt tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=64, help="serve: output tokens per request")
+    parser.add_argument("--serve-modes", default="thread,process",
+                        help="serve: the servers to compare (thread: engine in the server process; "
+                             "process: engine core in its own process)")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 
