@@ -24,7 +24,7 @@ from minivllm.attention import resolve_backend
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.linear import resolve_linear_backend
+from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, SchedulerStats
 from minivllm.model_loader import DEFAULT_MODEL, load_model
 from minivllm.model_runner import ModelRunner, kv_cache_bytes_per_token
@@ -56,7 +56,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     linear_backend: str = "auto"
-    """"auto": the model's linear layers run through oneDNN on a CPU (minivllm.linear), "torch": as is."""
+    """"auto": on a CPU, oneDNN or nn.Linear per row count, whichever measured faster here
+    (minivllm.linear; measured once, then cached); "onednn"; "torch": nn.Linear as is."""
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
@@ -103,7 +104,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = device
         self.attention_backend = backend
-        self.linear_backend = linear
+        self.linear_plan = choose_linear_plan(linear, model)
+        self.linear_backend = self.linear_plan.name
         eos = model.generation_config.eos_token_id if model.generation_config else None
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
@@ -142,7 +144,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.model_runner = ModelRunner(
-            model, self.kv_cache_manager, backend, device, dtype, config.seed, linear_backend=linear
+            model, self.kv_cache_manager, backend, device, dtype, config.seed, linear_plan=self.linear_plan
         )
         self.trace = Trace(
             block_size=config.block_size,
@@ -163,7 +165,7 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
             "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20, capacity,
-            self.max_model_len, capacity / self.max_model_len, backend, linear, device,
+            self.max_model_len, capacity / self.max_model_len, backend, self.linear_backend, device,
         )
 
     # -- requests in ------------------------------------------------------------------

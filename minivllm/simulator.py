@@ -172,7 +172,8 @@ def make_simulated_engine(cost_model: CostModel | None = None, **config: object)
     """
     cost_model = cost_model or CostModel.load()
     meta = cost_model.meta
-    cfg = EngineConfig(**{"log_stats_interval": None, "device": "cpu", **config})
+    # "torch" linear layers: the stand-in model never computes, so there is nothing to measure.
+    cfg = EngineConfig(**{"log_stats_interval": None, "device": "cpu", "linear_backend": "torch", **config})
     model_max = int(meta.get("max_position_embeddings", 8192))
     if cfg.num_kv_blocks is None:  # same arithmetic as LLMEngine, with the real model's sizes
         block_bytes = int(meta.get("kv_bytes_per_token", 46080)) * cfg.block_size
