@@ -1,36 +1,47 @@
-"""The model's linear layers on a CPU: two libraries, chosen by measuring (notebook 01).
+"""The model's linear layers on a CPU: three ways to multiply, chosen by measuring (notebook 01).
 
 On a CPU almost every millisecond of a step is a matrix product with one of the model's
-weight matrices: 7 per layer plus the vocabulary projection. ``nn.Linear`` sends them to
-MKL's ``sgemm``. PyTorch also ships oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op
-``torch.compile`` uses on a CPU, and vLLM's CPU backend's choice). Which one is faster
-depends on the CPU and on how many rows the product has: on one AMD EPYC oneDNN was up to
-twice as fast at every row count; on an Intel Xeon it was 0.4x at 1 and 32 rows and 1.6x
-at 512. No fixed rule is right everywhere, so ``linear_backend="auto"`` measures, as
-``torch.backends.cudnn.benchmark`` and Triton's autotuner do:
+weight matrices: 7 per layer plus the vocabulary projection. There is more than one way
+to compute ``x @ W.T`` with what PyTorch ships (:data:`FORWARD`):
+
+- ``"torch"``: ``nn.Linear`` as it is (``F.linear``, MKL's ``sgemm`` on x86);
+- ``"onednn"``: oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``, the op
+  ``torch.compile`` uses on a CPU, and vLLM's CPU backend's choice);
+- ``"transposed"``: ``(W @ x.T).T``, the same dot products with the weight as the left
+  operand, which sends MKL down another kernel.
+
+Which is fastest depends on the CPU and on how many rows the product has: on one AMD EPYC
+oneDNN was up to twice as fast at every row count; on an Intel Xeon it was 0.4x at 1 and
+32 rows and 1.6x at 512; on another AMD EPYC the transposed form was the fastest for a
+few dozen rows. No fixed rule is right everywhere, so ``linear_backend="auto"`` measures,
+as ``torch.backends.cudnn.benchmark`` and Triton's autotuner do
+(:func:`measure_linear_backends`):
 
 1. for a few row counts a step can have (:data:`BUCKET_ROWS`: one decode up to a full
-   512-token prefill), run the model's own linear layers, in model order so that weights
-   come from memory as in a real step, through each library for a short slice of time,
-   a few times over, alternating which goes first;
-2. per row count, keep the faster (:func:`choose_backends`); the result is a
-   :class:`LinearPlan`, and during a step every layer looks at the rows it was given and
-   runs through the library that won nearest that row count;
+   512-token prefill), run the model's own decoder layers, in model order so that
+   weights come from memory as in a real step, through each candidate for a short slice
+   of time, a few times over, each candidate going first in turn; the vocabulary
+   projection, one huge matrix that only sees the sampling rows, is timed on its own;
+2. per row count, keep the fastest (:func:`choose_backends`): a :class:`LinearPlan`.
+   During a step every layer looks at the rows it was given and runs through the
+   library that won nearest that row count;
 3. store the plan on disk (``$MINIVLLM_CACHE/linear_plans.json``), keyed by what the
    answer depends on (:func:`plan_cache_key`: CPU, torch version, threads, model shapes,
-   dtype), so later starts pay nothing. Delete the file to measure again.
+   dtype), so later starts pay nothing. The measurement takes about a second, and what
+   was measured and chosen goes to the ``minivllm`` logger. Delete the file to measure
+   again.
 
-``minivllm bench linear`` shows the two libraries on your CPU; ``minivllm bench
-roofline`` how close the engine gets to the machine's own limit.
+``minivllm bench linear`` shows the libraries on your CPU; ``minivllm bench roofline``
+how close the engine gets to the machine's own limit.
 
 Only the engine's forward pass uses the plan: :func:`planned_linear` swaps the class of
-every ``nn.Linear`` for the duration of a ``with`` block and back afterwards, so weights
-stay where they are (no copy) and a plain ``model.generate()`` outside the engine still
-runs stock PyTorch: the reference minivllm's greedy tokens are checked against. The two
-libraries add up the same products in a different order, so logits differ in the last
-bits (a few parts in a million in float32), the same kind of difference batching itself
-makes; greedy tokens stay identical to ``generate()`` in the tests, with either library
-and with a plan that switches between them by row count.
+the layers for the duration of a ``with`` block and back afterwards, so weights stay
+where they are (no copy) and a plain ``model.generate()`` outside the engine still runs
+stock PyTorch: the reference minivllm's greedy tokens are checked against. The libraries
+add up the same products in a different order, so logits differ in the last bits (a few
+parts in a million in float32), the same kind of difference batching itself makes;
+greedy tokens stay identical to ``generate()`` in the tests, with each library and with
+a plan that switches between them by row count.
 
 oneDNN compiles a kernel the first time it sees a shape (about 0.5 ms per weight shape
 and row count, then cached; the cache holds 1,024 by default), so a step with a
@@ -45,7 +56,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,11 +69,14 @@ from torch import nn
 
 logger = logging.getLogger("minivllm")
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "transposed")
 BUCKET_ROWS = (1, 4, 16, 64, 256, 512)
-"""Row counts "auto" measures: decode steps of 1 to a few dozen requests, mixed steps,
-and a full 512-token prefill. A product of ``r`` rows uses the choice made at the
-nearest of these on a log scale (so 3-8 rows use 4's, and anything above 362 uses 512's)."""
+"""Row counts "auto" measures the decoder's linear layers at: decode steps of 1 to a few
+dozen requests, mixed steps, a full 512-token prefill. A product of ``r`` rows uses the
+choice made at the nearest of these on a log scale (3-8 rows use 4's, above 362 512's)."""
+HEAD_ROWS = (1, 8, 64)
+"""Row counts the vocabulary projection is measured at: it only ever sees the rows that
+sample, one per request in the step."""
 PLAN_FILE = "linear_plans.json"
 
 
@@ -83,11 +96,20 @@ def onednn_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-FORWARD: dict[str, Callable] = {"torch": F.linear, "onednn": onednn_forward}
+def transposed_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` computed as ``(W @ x.T).T``: the same dot products with the weight as
+    the left operand, which sends MKL down another kernel; with few rows it streams the
+    weight better on some CPUs. The result is made contiguous, as ``nn.Linear``'s is."""
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, x2.t()) if bias is None else torch.addmm(bias[:, None], weight, x2.t())
+    return out.t().contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+FORWARD: dict[str, Callable] = {"torch": F.linear, "onednn": onednn_forward, "transposed": transposed_forward}
 
 
 @dataclass(frozen=True)
-class LinearPlan:
+class LinearChoice:
     """Which library computes a product, by its number of rows: the one chosen at the
     nearest (on a log scale) of ``rows``."""
 
@@ -96,13 +118,9 @@ class LinearPlan:
 
     def __post_init__(self) -> None:
         if len(self.rows) != len(self.backends) or not self.rows or list(self.rows) != sorted(set(self.rows)):
-            raise ValueError(f"a LinearPlan needs ascending distinct rows, one backend each: {self}")
+            raise ValueError(f"a LinearChoice needs ascending distinct rows, one backend each: {self}")
         if unknown := set(self.backends) - set(FORWARD):
             raise ValueError(f"unknown linear backends {sorted(unknown)}; choose from {sorted(FORWARD)}")
-
-    @classmethod
-    def single(cls, backend: str) -> LinearPlan:
-        return cls((1,), (backend,))
 
     def backend_for(self, rows: int) -> str:
         for i in range(len(self.rows) - 1):
@@ -112,7 +130,7 @@ class LinearPlan:
 
     @property
     def name(self) -> str:
-        """"onednn" or "torch" when one library serves every row count, else which serves which."""
+        """The library when one serves every row count, else which serves which rows."""
         if len(set(self.backends)) == 1:
             return self.backends[0]
         parts, start = [], 1
@@ -126,26 +144,48 @@ class LinearPlan:
         return ", ".join(f"{b} {lo}-{hi} rows" if hi else f"{b} {lo}+ rows" for b, lo, hi in parts)
 
 
+@dataclass(frozen=True)
+class LinearPlan:
+    """The choice for the decoder's linear layers and the one for the vocabulary
+    projection (``head``): one huge matrix that only sees the sampling rows, and whose
+    best library can differ (on one AMD EPYC oneDNN ran it 2x faster at 32 rows while the
+    decoder's layers were a tie)."""
+
+    layers: LinearChoice
+    head: LinearChoice
+
+    @classmethod
+    def single(cls, backend: str) -> LinearPlan:
+        one = LinearChoice((1,), (backend,))
+        return cls(one, one)
+
+    @property
+    def name(self) -> str:
+        """"onednn", "torch" or "transposed" when one library serves every product, else
+        which serves which."""
+        if self.layers.name == self.head.name:
+            return self.layers.name
+        return f"layers: {self.layers.name}; vocabulary projection: {self.head.name}"
+
+    def assign(self, model: nn.Module) -> list[tuple[nn.Linear, LinearChoice]]:
+        """Every plain linear layer of ``model`` with the choice it runs by."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return [(m, self.head if m is head else self.layers) for m in plain_linears(model)]
+
+
 STOCK_PLAN = LinearPlan.single("torch")
 """Every product through ``nn.Linear`` as it is (``linear_backend="torch"``)."""
 
 
 class PlannedLinear(nn.Linear):
-    """``nn.Linear`` that runs each call through the library its :class:`LinearPlan`
-    chose for that many rows (the plan rides on the layer while it is swapped in)."""
+    """``nn.Linear`` that runs each call through the library its :class:`LinearChoice`
+    names for that many rows (the choice rides on the layer while it is swapped in)."""
 
-    linear_plan: LinearPlan
+    linear_choice: LinearChoice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        return FORWARD[self.linear_plan.backend_for(rows)](x, self.weight, self.bias)
-
-
-class OneDNNLinear(nn.Linear):
-    """``nn.Linear`` whose product always runs in oneDNN (a plan with one choice)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_forward(x, self.weight, self.bias)
+        return FORWARD[self.linear_choice.backend_for(rows)](x, self.weight, self.bias)
 
 
 def plain_linears(model: nn.Module) -> list[nn.Linear]:
@@ -155,47 +195,50 @@ def plain_linears(model: nn.Module) -> list[nn.Linear]:
 
 
 @contextmanager
-def planned_linear(linears: list[nn.Linear], plan: LinearPlan) -> Iterator[None]:
-    """Within the block, ``linears`` compute as ``plan`` says; afterwards they are plain
-    ``nn.Linear`` again (also when the block raises). A plan with one library swaps in a
-    class that skips the per-call lookup; an all-"torch" plan changes nothing."""
-    kinds = set(plan.backends)
-    if kinds == {"torch"}:
-        yield
-        return
-    cls = OneDNNLinear if kinds == {"onednn"} else PlannedLinear
-    for m in linears:
-        m.__class__ = cls
-        if cls is PlannedLinear:
-            m.linear_plan = plan
+def planned_linear(assigned: list[tuple[nn.Linear, LinearChoice]]) -> Iterator[None]:
+    """Within the block, each layer computes as its choice says (:meth:`LinearPlan.assign`);
+    afterwards they are plain ``nn.Linear`` again (also when the block raises). Layers
+    whose choice is "torch" throughout are left alone."""
+    swapped = [(m, c) for m, c in assigned if set(c.backends) != {"torch"}]
+    for m, c in swapped:
+        m.__class__ = PlannedLinear
+        m.linear_choice = c
     try:
         yield
     finally:
-        for m in linears:
+        for m, _ in swapped:
             m.__class__ = nn.Linear
-            m.__dict__.pop("linear_plan", None)
+            del m.linear_choice
 
 
 def onednn_linear(linears: list[nn.Linear]):
-    """Within the block, ``linears`` compute through oneDNN (``planned_linear`` with one choice)."""
-    return planned_linear(linears, LinearPlan.single("onednn"))
+    """Within the block, ``linears`` compute through oneDNN (:func:`planned_linear`)."""
+    return planned_linear([(m, LinearPlan.single("onednn").layers) for m in linears])
 
 
 def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """Check the setting before anything is loaded. "auto" stays "auto" (measured once the
-    model is loaded, :func:`choose_linear_plan`) where oneDNN can run, else it is "torch"."""
+    """Check the setting before anything is loaded. "auto" stays "auto" on a CPU (measured
+    once the model is loaded, :func:`choose_linear_plan`); elsewhere it is "torch"."""
     if backend not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_available()
     if backend == "auto":
-        return "auto" if usable else "torch"
-    if backend == "onednn" and not usable:
+        return "auto" if device.type == "cpu" else "torch"
+    if backend == "onednn" and not onednn_usable(device, dtype):
         raise ValueError(
             'linear_backend="onednn" needs a CPU device, a float32 or bfloat16 model and a '
             f"PyTorch build with oneDNN (device {device}, dtype {dtype}, oneDNN available: "
             f'{onednn_available()}); use linear_backend="torch"'
         )
     return backend
+
+
+def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_available()
+
+
+def candidate_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """What "auto" measures: the stock path first (it wins ties), then the others that run here."""
+    return ("torch", "onednn", "transposed") if onednn_usable(device, dtype) else ("torch", "transposed")
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -223,7 +266,7 @@ def cpu_description() -> dict[str, str]:
 def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
     """Everything the measured answer depends on: the CPU, the torch build (its MKL and
     oneDNN), the threads it may use, the model (its name and the shapes of its linear
-    layers) and the dtype."""
+    layers), the dtype, and what is measured (row counts, candidates)."""
     shapes: dict[str, int] = {}
     for m in plain_linears(model):
         key = f"{m.in_features}x{m.out_features}"
@@ -236,70 +279,80 @@ def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
         "model": getattr(config, "name_or_path", "") or type(model).__name__,
         "linear_shapes": dict(sorted(shapes.items())),
         "dtype": str(dtype).removeprefix("torch."),
-        "rows": list(BUCKET_ROWS),
+        "rows": {"layers": list(BUCKET_ROWS), "head": list(HEAD_ROWS)},
+        "candidates": list(candidate_backends(torch.device("cpu"), dtype)),
     }
 
 
-@torch.inference_mode()
-def measure_linear_backends(
-    model: nn.Module,
-    rows: Sequence[int] = BUCKET_ROWS,
-    budget_s: float = 1.2,
-    rounds: int = 3,
-    backends: Sequence[str] = ("torch", "onednn"),
-    max_head_rows: int = 64,
-) -> dict[int, dict[str, list[float]]]:
-    """FLOP/s of each backend at each row count, ``rounds`` samples each, in about
-    ``budget_s`` seconds (plus a warm-up call per weight shape, which compiles oneDNN's
-    kernels outside the timings).
+Rates = dict[int, dict[str, list[float]]]
+"""Row count -> backend -> FLOP/s samples."""
 
-    Each sample walks the model's linear layers in model order, continuing where the
-    previous sample stopped, for ``budget_s / (len(rows) * len(backends) * rounds)``
-    seconds or one pass over the model, whichever is shorter: the weights come from
-    memory, as in a real step (the whole model is far larger than the CPU's caches), and
-    the two backends read the same kind of weights. The vocabulary projection is walked
-    only for up to ``max_head_rows`` rows (it only ever sees the sampling rows)."""
-    linears = plain_linears(model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    dtype = next(model.parameters()).dtype
-    slice_s = budget_s / (len(rows) * len(backends) * rounds)
-    rates: dict[int, dict[str, list[float]]] = {}
+
+def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequence[int],
+           backends: Sequence[str], rounds: int, slice_s: float) -> Rates:
+    """Each sample walks ``weights`` in order, continuing where the previous stopped,
+    for ``slice_s`` seconds (at least one product) or one pass, whichever ends first."""
+    rates: Rates = {}
     cursor = 0
     for n in rows:
-        walk = [m for m in linears if n <= max_head_rows or m is not head]
-        inputs = {f: torch.randn(n, f, dtype=dtype) for f in {m.in_features for m in walk}}
-        first = {(m.in_features, m.out_features): m for m in walk}
-        for b in backends:  # warm-up: oneDNN builds a kernel per (shape, rows)
-            for m in first.values():
-                FORWARD[b](inputs[m.in_features], m.weight, m.bias)
-        rates[n] = {b: [] for b in backends}
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=w.dtype) for w, _ in weights}
+        for name in backends:  # warm-up: oneDNN builds a kernel per (shape, rows)
+            for w, b in {tuple(w.shape): (w, b) for w, b in weights}.values():
+                FORWARD[name](inputs[w.shape[1]], w, b)
+        rates[n] = {name: [] for name in backends}
         for r in range(rounds):
-            for b in backends[::-1] if r % 2 else backends:  # alternate who goes first
-                fn, flops, t0 = FORWARD[b], 0, time.perf_counter()
-                for i in range(len(walk)):
-                    m = walk[(cursor + i) % len(walk)]
-                    fn(inputs[m.in_features], m.weight, m.bias)
-                    flops += 2 * n * m.in_features * m.out_features
+            k = r % len(backends)
+            for name in backends[k:] + backends[:k]:  # each backend goes first in turn
+                fn, flops, t0 = FORWARD[name], 0, time.perf_counter()
+                for i in range(len(weights)):
+                    w, b = weights[(cursor + i) % len(weights)]
+                    fn(inputs[w.shape[1]], w, b)
+                    flops += 2 * n * w.numel()
                     if time.perf_counter() - t0 >= slice_s:
                         break
                 cursor += i + 1
-                rates[n][b].append(flops / (time.perf_counter() - t0))
+                rates[n][name].append(flops / (time.perf_counter() - t0))
     return rates
 
 
-def choose_backends(rates: dict[int, dict[str, list[float]]], margin: float = 0.02,
-                    default: str = "torch") -> LinearPlan:
-    """Per row count, the backend with the highest median rate; the ``default`` (the
-    stock path) keeps a row count unless another beats it by more than ``margin``, the
-    size of a difference a short measurement cannot tell from noise."""
+@torch.inference_mode()
+def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch", "onednn", "transposed"),
+                            budget_s: float = 0.9, rounds: int = 3, head_slice: int = 12288) -> dict[str, Rates]:
+    """FLOP/s of each backend, ``rounds`` samples each: for the decoder's linear layers at
+    :data:`BUCKET_ROWS` (about ``budget_s`` seconds in all) and for the vocabulary
+    projection at :data:`HEAD_ROWS` (one product per sample), after a warm-up product
+    per weight shape (oneDNN compiles its kernels then).
+
+    A sample of the decoder's layers walks them in model order, continuing where the
+    previous sample stopped: the weights come from memory, as in a real step (the model
+    is far larger than the CPU's caches), and every backend reads the same kind of
+    weights. The vocabulary projection is timed on its first ``head_slice`` rows, a
+    matrix still larger than the caches of most CPUs, to keep the measurement short."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    layers = [(m.weight, m.bias) for m in plain_linears(model) if m is not head]
+    slice_s = budget_s / (len(BUCKET_ROWS) * len(backends) * rounds)
+    rates = {"layers": _rates(layers, BUCKET_ROWS, backends, rounds, slice_s) if layers else {}}
+    if type(head) is nn.Linear:
+        part = [(head.weight[:head_slice], None if head.bias is None else head.bias[:head_slice])]
+        rates["head"] = _rates(part, HEAD_ROWS, backends, rounds, 0.0)
+    return rates
+
+
+def choose_backends(rates: Rates, margin: float = 0.02, default: str = "torch") -> LinearChoice:
+    """Per row count, the backend with the highest best rate (another program on the
+    machine can only slow a sample down, so each backend's fastest sample is its truest);
+    the ``default`` (the stock path) keeps a row count unless another beats it by more
+    than ``margin``, the size of a difference a short measurement cannot tell from noise."""
+    if not rates:
+        return LinearChoice((1,), (default,))
     rows = sorted(rates)
     chosen = []
     for n in rows:
-        med = {b: statistics.median(v) for b, v in rates[n].items()}
-        best = max(med, key=med.get)
-        keep = default in med and med[best] <= med[default] * (1 + margin)
+        top = {b: max(v) for b, v in rates[n].items()}
+        best = max(top, key=top.get)
+        keep = default in top and top[best] <= top[default] * (1 + margin)
         chosen.append(default if keep else best)
-    return LinearPlan(tuple(rows), tuple(chosen))
+    return LinearChoice(tuple(rows), tuple(chosen))
 
 
 def _load_plans(path: Path) -> dict:
@@ -309,34 +362,41 @@ def _load_plans(path: Path) -> dict:
         return {}
 
 
+def _describe(rates: dict[str, Rates]) -> str:
+    return "; ".join(f"{group} at {n} rows " + " ".join(f"{b} {max(v) / 1e9:.1f}" for b, v in r.items())
+                     for group, by_rows in rates.items() for n, r in by_rows.items())
+
+
 def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = None,
-                       budget_s: float = 1.2) -> LinearPlan:
-    """The plan for a resolved ``linear_backend`` (:func:`resolve_linear_backend`):
-    "torch" and "onednn" are taken as given; "auto" is looked up in the cache under
-    ``cache_dir`` (default ``$MINIVLLM_CACHE``) or measured and stored there."""
+                       budget_s: float = 0.9) -> LinearPlan:
+    """The plan for a resolved ``linear_backend`` (:func:`resolve_linear_backend`): a
+    named library is taken as given; "auto" is looked up in the cache under ``cache_dir``
+    (default ``$MINIVLLM_CACHE``), or measured and stored there."""
     if backend != "auto":
         return LinearPlan.single(backend)
     from minivllm.model_loader import cache_root
 
-    dtype = next(model.parameters()).dtype
-    key = plan_cache_key(model, dtype)
+    param = next(model.parameters())
+    key = plan_cache_key(model, param.dtype)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (cache_dir or cache_root()) / PLAN_FILE
     entry = _load_plans(path).get(digest)
     if entry is not None:
-        plan = LinearPlan(tuple(entry["rows"]), tuple(entry["backends"]))
+        plan = LinearPlan(*(LinearChoice(tuple(entry[g]["rows"]), tuple(entry[g]["backends"]))
+                            for g in ("layers", "head")))
         logger.info("linear_backend auto: %s (measured %s, cached in %s)", plan.name, entry["measured"], path)
         return plan
     t0 = time.perf_counter()
-    rates = measure_linear_backends(model, budget_s=budget_s)
+    rates = measure_linear_backends(model, candidate_backends(param.device, param.dtype), budget_s=budget_s)
     seconds = time.perf_counter() - t0
-    plan = choose_backends(rates)
-    table = "; ".join(f"{n} rows " + " ".join(f"{b} {statistics.median(v) / 1e9:.1f}" for b, v in r.items())
-                      for n, r in rates.items())
-    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (median of %d): %s. Chose: %s. Cached in %s",
-                seconds, len(next(iter(rates[BUCKET_ROWS[0]].values()))), table, plan.name, path)
-    entry = {"key": key, "rows": list(plan.rows), "backends": list(plan.backends), "seconds": round(seconds, 3),
-             "gflops": {n: {b: [round(x / 1e9, 2) for x in v] for b, v in r.items()} for n, r in rates.items()},
+    plan = LinearPlan(choose_backends(rates["layers"]), choose_backends(rates.get("head", {})))
+    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of 3): %s. Chose: %s. Cached in %s",
+                seconds, _describe(rates), plan.name, path)
+    entry = {"key": key, "seconds": round(seconds, 3),
+             **{g: {"rows": list(c.rows), "backends": list(c.backends)} for g, c in (("layers", plan.layers),
+                                                                                     ("head", plan.head))},
+             "gflops": {g: {n: {b: [round(x / 1e9, 2) for x in v] for b, v in r.items()} for n, r in by_rows.items()}
+                        for g, by_rows in rates.items()},
              "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     try:  # write a whole new file, then rename: a reader never sees half of one
         path.parent.mkdir(parents=True, exist_ok=True)

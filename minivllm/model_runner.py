@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.linear import STOCK_PLAN, LinearPlan, plain_linears, planned_linear
+from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.sampler import Sampler
 
 
@@ -66,7 +66,7 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         # Swapped to the plan's libraries only for the engine's own forward passes (minivllm.linear).
         self.linear_plan = linear_plan
-        self.linears = plain_linears(model)
+        self.linears = linear_plan.assign(model)
         num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
@@ -128,7 +128,7 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs, logits_indices, requests = self.prepare_inputs(sched)
         t0 = time.perf_counter()
-        with planned_linear(self.linears, self.linear_plan):
+        with planned_linear(self.linears):
             out = self.model(
                 **inputs,
                 use_cache=False,
