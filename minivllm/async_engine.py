@@ -7,6 +7,9 @@ connections, streaming tokens and noticing disconnects for that long. So:
 * **One stepping thread.** Every call into the engine (add, abort, step, metrics) runs
   on a single worker thread, one after another. The engine is not thread-safe and
   never needs to be: the thread serialises it. The event loop only awaits.
+* **Tokenizing elsewhere.** Chat templating and tokenization (about a second per MB of
+  text) run on a second thread before the request reaches the stepping thread, so a
+  long prompt never pauses the streams of everyone else. Only the token ids cross over.
 * **One background task** keeps that thread busy while any request is unfinished and
   sleeps when there is nothing to do.
 * **One queue per request.** The task routes each ``RequestOutput`` to the queue of its
@@ -14,9 +17,14 @@ connections, streaming tokens and noticing disconnects for that long. So:
 * **Cancellation.** When the consumer of a stream goes away (a client disconnect
   cancels it), its id joins a set of pending aborts; the stepping thread applies them
   just before the next step, so the request's KV blocks are free after that step.
-* **Bounded waiting.** More than ``max_waiting`` requests queued (not yet admitted by
-  the scheduler) is refused with :class:`EngineOverloadedError` at once, rather than
-  letting the queue, and everyone's wait, grow without bound.
+* **Bounded waiting.** A new request is refused with :class:`EngineOverloadedError` at
+  once while ``max_waiting`` requests actually wait (queued, or on their way, beyond the
+  free seats of ``max_num_seqs``), rather than letting the queue, and everyone's wait,
+  grow without bound. A burst that fits the free seats all gets in.
+* **Isolation.** A request that fails on its own (finish_reason "error") ends its stream
+  with that output; the others and the loop carry on. Only a failure of a step itself
+  (the forward pass) stops the loop: then every stream ends with
+  :class:`EngineDeadError` and ``error`` is set, which ``/health`` reports.
 
 In vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``) does the same job, with the
 engine core in a separate process talking over ZeroMQ instead of a thread.
@@ -30,7 +38,9 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from minivllm.chat_utils import apply_chat_template
 from minivllm.engine import LLMEngine
+from minivllm.exceptions import ValidationError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -100,13 +110,16 @@ class AsyncLLMEngine:
         self.max_waiting = max_waiting
         self.reject_over_length = reject_over_length
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-engine")
+        # One thread: requests are tokenized one after another, never on the stepping thread.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="minivllm-tokenize")
         self._streams: dict[str, RequestStream] = {}
         self._aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._engine_busy = False
         self._adding: set[str] = set()
-        """Ids handed to the stepping thread but not yet in the scheduler's waiting queue."""
+        """Ids being tokenized or added, not yet in the scheduler's waiting queue."""
         self.num_waiting = 0
         """Requests the scheduler has not admitted yet, as of the last engine call."""
         self.num_running = 0
@@ -132,6 +145,7 @@ class AsyncLLMEngine:
         if self.error is None:  # leave the engine clean for whoever uses it next
             await self.call(self._abort_all)
         await asyncio.to_thread(self._executor.shutdown, True)
+        await asyncio.to_thread(self._tokenizer_pool.shutdown, True, cancel_futures=True)
 
     def end_streams(self, reason: str) -> None:
         """End every open stream with :class:`EngineDeadError` and abort its request, so
@@ -156,8 +170,10 @@ class AsyncLLMEngine:
 
     @property
     def num_queued(self) -> int:
-        # Requests on their way to the engine count too: they will be waiting in a moment.
-        return self.num_waiting + len(self._adding)
+        """Requests that actually wait: those queued in the scheduler or on their way to
+        it, less the seats (``max_num_seqs``) free for them at the next step."""
+        free_seats = max(0, self.engine.scheduler.max_num_seqs - self.num_running)
+        return max(0, self.num_waiting + len(self._adding) - free_seats)
 
     # -- calls into the engine, always on the stepping thread -------------------------
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -170,40 +186,38 @@ class AsyncLLMEngine:
         self.num_running = len(scheduler.running)
         self.kv_cache_usage = self.engine.kv_cache_manager.usage
 
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
         try:
-            self._add_now(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params)
+            self._snapshot()
         finally:
             # Set operations are atomic under the GIL; a ``+= 1`` shared between two
             # threads would not be.
             self._adding.discard(request_id)
 
-    def _add_now(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> dict:
+        """Template and tokenize (on the tokenizer thread); check the length."""
         engine = self.engine
-        if isinstance(prompt, list):  # chat messages: template them here, on this thread
-            prompt = {"prompt_token_ids": self._chat_ids(prompt)}
-        elif isinstance(prompt, str) and engine.tokenizer is not None:
-            # Tokenize here so the length check below can count tokens.
-            prompt = {"prompt": prompt, "prompt_token_ids": engine.tokenizer.encode(prompt, add_special_tokens=False)}
+        if isinstance(prompt, list):  # chat messages
+            prompt = {"prompt_token_ids": apply_chat_template(engine.tokenizer, prompt)}
+        elif isinstance(prompt, str):
+            if engine.tokenizer is None:
+                raise ValidationError(
+                    "prompt", "this engine has no tokenizer: send token ids instead", prompt)
+            try:
+                ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+            except Exception as e:  # e.g. a lone surrogate, which JSON can carry
+                raise ValidationError("prompt", f"the prompt cannot be tokenized: {e}", None) from None
+            prompt = {"prompt": prompt, "prompt_token_ids": ids}
         if self.reject_over_length and isinstance(prompt, dict) and params.max_tokens is not None:
             n = len(prompt.get("prompt_token_ids", ()))
             if 0 < n < engine.max_model_len < n + params.max_tokens:
-                raise ValueError(
+                raise ValidationError(
+                    "max_tokens",
                     f"max_tokens is {params.max_tokens}, but the prompt has {n} tokens and the "
                     f"model's maximum length is {engine.max_model_len} tokens, so at most "
-                    f"{engine.max_model_len - n} can be generated"
-                )
-        engine.add_request(request_id, prompt, params)
-        self._snapshot()
-
-    def _chat_ids(self, messages: list[Message]) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template; send a prompt instead")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+                    f"{engine.max_model_len - n} can be generated", params.max_tokens)
+        return prompt
 
     def _step(self, aborts: set[str]) -> tuple[list[RequestOutput], bool]:
         live = [i for i in aborts if i in self.engine.scheduler.requests]
@@ -248,9 +262,10 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
         """Queue a request and return the stream of its outputs.
 
-        Raises :class:`EngineOverloadedError` when ``max_waiting`` requests are queued,
-        ``ValueError``/``TypeError`` from validation (nothing is queued then), and
-        :class:`EngineDeadError` when the stepping loop has failed.
+        Raises :class:`EngineOverloadedError` when ``max_waiting`` requests wait,
+        :class:`~minivllm.exceptions.ValidationError` (``param`` names the field) for
+        invalid input (nothing is queued then), and :class:`EngineDeadError` when the
+        stepping loop has failed.
         """
         if self._task is None:
             self.start()
@@ -261,13 +276,22 @@ class AsyncLLMEngine:
                 f"the server is at capacity: {self.num_queued} requests are waiting "
                 f"(max_waiting={self.max_waiting}); retry later"
             )
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id in self._streams or request_id in self._aborts or request_id in self._adding:
+            raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
+                                  request_id)
         stream = RequestStream(request_id, self)
-        self._streams[request_id] = stream  # before the add: the first output may come soon
         self._adding.add(request_id)
         try:
-            await self.call(self._add, request_id, prompt, params)
+            loop = asyncio.get_running_loop()
+            # Off the stepping thread: a long prompt must not pause everyone's tokens.
+            engine_prompt = await loop.run_in_executor(self._tokenizer_pool, self._preprocess,
+                                                       prompt, params)
+        except BaseException:  # invalid, or cancelled: nothing was queued
+            self._adding.discard(request_id)
+            raise
+        self._streams[request_id] = stream  # before the add: the first output may come soon
+        try:
+            await self.call(self._add, request_id, engine_prompt, params)
         except (ValueError, TypeError):  # invalid input: nothing was queued
             stream.finished = True
             self._streams.pop(request_id, None)

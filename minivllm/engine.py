@@ -14,23 +14,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.attention import resolve_backend
+from minivllm.attention import BACKENDS, resolve_backend
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
-from minivllm.linear import choose_linear_plan, resolve_linear_backend
+from minivllm.exceptions import (
+    ValidationError,
+    ValidationTypeError,
+    check_bool,
+    check_float,
+    check_int,
+)
+from minivllm.linear import LINEAR_BACKENDS, choose_linear_plan, resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, SchedulerStats
 from minivllm.model_loader import DEFAULT_MODEL, load_model
 from minivllm.model_runner import ModelRunner, kv_cache_bytes_per_token
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
 
 logger = logging.getLogger("minivllm")
@@ -66,6 +73,56 @@ class EngineConfig:
     log_stats_interval: float | None = 5.0
     """Seconds between throughput/KV-usage log lines on the ``minivllm`` logger (None or 0: off)."""
 
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every knob's type and range; raise ValidationError naming the first bad one.
+        (What depends on the model, such as max_model_len against the KV cache, is
+        checked when the engine is built.)"""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValidationTypeError("model", f"model must be a non-empty string, got {self.model!r}",
+                                      self.model)
+        self.block_size = check_int("block_size", self.block_size, minimum=1)
+        self.num_kv_blocks = check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
+        self.kv_cache_memory = check_int("kv_cache_memory", self.kv_cache_memory, minimum=1,
+                                         optional=True)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens,
+                                                minimum=1)
+        # Two tokens at least: a prompt token and the one generated from it.
+        self.max_model_len = check_int("max_model_len", self.max_model_len, minimum=2, optional=True)
+        self.enable_chunked_prefill = check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        for param, value, allowed in (("attention_backend", self.attention_backend, BACKENDS),
+                                      ("linear_backend", self.linear_backend, LINEAR_BACKENDS),
+                                      ("dtype", self.dtype, tuple(DTYPES))):
+            if value not in allowed:
+                raise ValidationError(param, f"{param} must be one of {allowed}, got {value!r}", value)
+        if not isinstance(self.device, str):
+            raise ValidationTypeError("device", f"device must be a string such as 'cpu', 'cuda' or "
+                                      f"'auto', got {self.device!r}", self.device)
+        self.seed = check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
+        self.max_trace_steps = check_int("max_trace_steps", self.max_trace_steps, minimum=1,
+                                         optional=True)
+        self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,
+                                              minimum=0, optional=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when there is one, else the CPU; anything else must work here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)  # a CPU-only torch fails here for "cuda"
+    except (RuntimeError, AssertionError) as e:
+        raise ValidationError(
+            "device", f"device {name!r} cannot be used on this machine ({e}); "
+                      f"use 'auto' or 'cpu' (CUDA available: {torch.cuda.is_available()})", name
+        ) from None
+    return device
+
 
 @dataclass
 class _OutputState:
@@ -84,18 +141,20 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        config.verify()  # again: fields may have been changed since it was made
         self.config = config
         self.clock = clock
         """Source of every timestamp; the simulated runner swaps in a virtual clock."""
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         dtype = DTYPES[config.dtype]
-        if config.device == "auto":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            device = torch.device(config.device)
-        backend = resolve_backend(config.attention_backend, device)
-        linear = resolve_linear_backend(config.linear_backend, device, dtype)
+        device = resolve_device(config.device)
+        try:
+            backend = resolve_backend(config.attention_backend, device)
+        except (ValueError, RuntimeError) as e:
+            raise ValidationError("attention_backend", str(e), config.attention_backend) from None
+        try:
+            linear = resolve_linear_backend(config.linear_backend, device, dtype)
+        except ValueError as e:
+            raise ValidationError("linear_backend", str(e), config.linear_backend) from None
         if model is None:
             model, tokenizer = load_model(config.model, dtype, device)
         else:
@@ -123,16 +182,31 @@ class LLMEngine:
                 max_len = config.max_model_len or model_max
                 num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
         if num_blocks < 1:
-            raise ValueError(
+            raise ValidationError(
+                "kv_cache_memory",
                 f"the KV cache holds no block: one block of {config.block_size} tokens needs "
-                f"{block_bytes} bytes, kv_cache_memory is {config.kv_cache_memory}"
+                f"{block_bytes} bytes, kv_cache_memory is {config.kv_cache_memory}",
+                config.kv_cache_memory,
             )
         capacity = num_blocks * config.block_size
         self.max_model_len = config.max_model_len or min(model_max, capacity)
         if self.max_model_len > model_max:
-            raise ValueError(
+            raise ValidationError(
+                "max_model_len",
                 f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {model_max}"
+                f"max_position_embeddings {model_max}",
+                self.max_model_len,
+            )
+        if self.max_model_len > capacity:
+            # As vLLM does: a request may grow to max_model_len tokens (a chat request
+            # without max_tokens does), so the cache must hold one that long, or such a
+            # request could never run. Better refused now than every such request later.
+            raise ValidationError(
+                "max_model_len",
+                f"max_model_len {self.max_model_len} is more than the KV cache holds: "
+                f"{num_blocks} blocks of {config.block_size} tokens = {capacity} tokens. "
+                f"Give the cache more blocks (num_kv_blocks, kv_cache_memory) or lower max_model_len",
+                self.max_model_len,
             )
 
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -154,7 +228,8 @@ class LLMEngine:
             max_steps=config.max_trace_steps,
         )
         self._states: dict[str, _OutputState] = {}
-        self._aborted: list[Request] = []
+        self._finished_outputs: list[RequestOutput] = []
+        """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
@@ -169,16 +244,27 @@ class LLMEngine:
         )
 
     # -- requests in ------------------------------------------------------------------
-    def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt"})
+            if unknown or "prompt_token_ids" not in prompt:
+                raise ValidationError(
+                    "prompt", "a dict prompt takes the key 'prompt_token_ids' (a list of token ids) "
+                              f"and optionally 'prompt' (its text); got the keys {sorted(prompt)}",
+                    sorted(prompt))
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValidationTypeError(
+                    "prompt", f"'prompt' must be a string, got {type(text).__name__}", text)
+            return text, _check_token_ids(prompt["prompt_token_ids"], self.model.config.vocab_size)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+                raise ValidationError(
+                    "prompt", "this engine has no tokenizer: pass {'prompt_token_ids': [...]}", prompt)
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        raise TypeError(f"prompt must be a str or a {{'prompt_token_ids': [...]}} dict, got {type(prompt).__name__}")
+        raise ValidationTypeError(
+            "prompt", f"prompt must be a str or a {{'prompt_token_ids': [...]}} dict, "
+                      f"got {type(prompt).__name__}", prompt)
 
     def add_request(
         self,
@@ -187,37 +273,45 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and queue a request. Raises ValueError (naming the value and the
-        limit) for anything that could never be served; nothing is queued then."""
-        params = params or SamplingParams()
+        """Validate and queue a request. Anything that could never be served raises
+        :class:`~minivllm.exceptions.ValidationError` (a ValueError; ``param`` names the
+        field, the message the value and the limit); nothing is queued then."""
+        if not isinstance(request_id, str):
+            raise ValidationTypeError(
+                "request_id", f"request_id must be a string, got {type(request_id).__name__}",
+                request_id)
         if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
+                                  request_id)
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise ValidationTypeError(
+                "sampling_params", f"sampling params must be a SamplingParams, got "
+                                   f"{type(params).__name__}", params)
+        else:
+            params.verify()
+        arrival_time = check_float("arrival_time", arrival_time, optional=True)
         text, ids = self._tokenize(prompt)
         if not ids:
-            raise ValueError("the prompt is empty: it needs at least one token")
-        vocab = self.model.config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+            raise ValidationError("prompt", "the prompt is empty: it needs at least one token", ids)
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise ValidationError(
+                "prompt",
                 f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one generated token must fit)"
-            )
+                f"(prompt plus at least one generated token must fit)", len(ids))
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
-            raise ValueError(
+            raise ValidationError(
+                "prompt",
                 f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens}, and chunked prefill is off"
-            )
-        max_len = self.max_model_len
-        if params.max_tokens is not None:
-            max_len = min(max_len, len(ids) + params.max_tokens)
-        needed = cdiv(max_len, self.config.block_size)
-        if needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"the request can grow to {max_len} tokens, needing {needed} KV blocks, but the "
-                f"whole cache has {self.kv_cache_manager.num_blocks} blocks of "
-                f"{self.config.block_size}; lower max_tokens or give the cache more memory"
-            )
+                f"{self.config.max_num_batched_tokens}, and chunked prefill is off", len(ids))
+        vocab = self.model.config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stops:
+            raise ValidationError(
+                "stop_token_ids", f"stop_token_ids must be in [0, {vocab}), got {bad_stops}", bad_stops)
+        # max_model_len <= the cache's capacity (checked in __init__), so any request that
+        # passes the checks above fits the cache on its own, however long it grows.
         now = self.clock()
         request = Request(request_id, ids, params, arrival_time if arrival_time is not None else now,
                           self.eos_token_id, text)
@@ -227,68 +321,106 @@ class LLMEngine:
         return request
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Abort unfinished requests; their final output (finish_reason "abort") comes
-        out of the next ``step()``. Unknown ids raise KeyError and abort nothing."""
+        """Abort unfinished requests. Each one's final output (finish_reason "abort") is
+        made now and handed out by the next ``step()``; the id is free for reuse at once.
+        Unknown ids raise KeyError and abort nothing."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         unknown = [i for i in ids if i not in self.scheduler.requests]
         if unknown:
             raise KeyError(f"no unfinished request with id(s) {unknown}")
+        now = self.clock()
         for i in ids:
             request = self.scheduler.requests[i]
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-            request.metrics.finished_time = self.clock()
+            request.metrics.finished_time = now
             self.stats.record_finished(request.metrics, "abort")
-            self._aborted.append(request)
+            self._finished_outputs.append(self._make_output(request))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._aborted)
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that progressed."""
-        outputs = [self._make_output(r) for r in self._aborted]
-        self._aborted.clear()
+        """Run one iteration; return an output for every request that progressed.
+
+        Isolation: a failure that belongs to one request (its sampling, its
+        detokenization) finishes that request alone, with finish_reason "error" and the
+        message in ``outputs[0].error``. A failure of the forward pass, which the whole
+        batch shares, is rolled back (``Scheduler.rollback``) and re-raised: the engine is
+        then exactly as before the step, and stepping again retries it.
+        """
+        outputs, self._finished_outputs = self._finished_outputs, []
         start = self.clock()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.has_unfinished_requests():
+                self._finished_outputs = outputs
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
             return outputs
-        for s in sched.scheduled:
-            if s.request.metrics.first_scheduled_time is None:
-                s.request.metrics.first_scheduled_time = start
-        result = self.model_runner.execute_model(sched)
+        first_time = [s.request for s in sched.scheduled if s.request.metrics.first_scheduled_time is None]
+        for request in first_time:
+            request.metrics.first_scheduled_time = start
+        try:
+            result = self.model_runner.execute_model(sched)
+        except BaseException:  # an error, or Ctrl-C in a notebook: leave nothing half-done
+            self.scheduler.rollback(sched)
+            for request in first_time:  # all were admitted this step, and are waiting again
+                request.metrics.first_scheduled_time = None
+            self._finished_outputs = outputs + self._finished_outputs
+            raise
         updated = self.scheduler.update_from_output(sched, result.sampled)
         now = self.clock()
         finished = []
+        got_token = []
         for request in updated:
             m = request.metrics
-            m.token_times.append(now)
-            if m.first_token_time is None:
-                m.first_token_time = now
-            self._process_text(request)
+            if request.status is not RequestStatus.FINISHED_ERROR:  # it got a token
+                got_token.append(m)
+                m.token_times.append(now)
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                try:
+                    self._process_text(request)
+                except Exception as e:  # this request's text alone: finish it, not the step
+                    self._fail(request, f"detokenization failed: {type(e).__name__}: {e}")
             if request.is_finished:
                 m.finished_time = now
                 finished.append(request.request_id)
                 self.stats.record_finished(m, request.finish_reason)
             outputs.append(self._make_output(request))
         self._record(sched, start, self.clock(), result.model_time, finished)
-        self.stats.record_step(sched.num_scheduled_tokens, len(sched.preempted),
-                               [r.metrics for r in updated])
+        self.stats.record_step(sched.num_scheduled_tokens, len(sched.preempted), got_token)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
 
+    def _fail(self, request: Request, message: str) -> None:
+        """Finish one request with finish_reason "error" (it may have finished already
+        this step, e.g. on its last token; then only the reason changes)."""
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.error = message
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
+
     def _process_text(self, request: Request) -> None:
-        """Detokenize the new token; finish the request if a stop string appeared."""
+        """Detokenize the new token; finish the request if a stop string appeared.
+
+        Stop strings are checked on every token, the last one allowed included: a stop
+        string completed by the token that also reached max_tokens ends the request with
+        "stop", not "length" (as in vLLM, the detokenizer's stop beats the length cap).
+        """
         state = self._states[request.request_id]
         delta = state.detokenizer.add_token(request.output_token_ids[-1])
         params = request.sampling_params
-        if not params.stop or request.is_finished or request.num_output_tokens < params.min_tokens:
+        if not params.stop or request.num_output_tokens < params.min_tokens:
             return
+        if request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH:
+            return  # EOS or a stop token ended it: nothing to decide
         text = state.detokenizer.text
         # Only the new text (plus an overlap the length of a stop string) can hold a new match.
         begin = max(0, len(text) - len(delta) - max(map(len, params.stop)) + 1)
@@ -298,7 +430,10 @@ class LLMEngine:
             index, stop = min(hits)
             state.detokenizer.text = text[:index]
             request.stop_reason = stop
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if request.is_finished:  # by length, this very token: its blocks are already free
+                request.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]
@@ -322,6 +457,7 @@ class LLMEngine:
                     token_ids=list(request.output_token_ids),
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
+                    error=request.error,
                 )
             ],
             finished=request.is_finished,
@@ -379,3 +515,19 @@ class LLMEngine:
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (``minivllm:`` prefix)."""
         return self.stats.get_metrics(self.scheduler_stats())
+
+
+def _check_token_ids(ids: object, vocab_size: int) -> list[int]:
+    """Prompt token ids: a list (or tuple) of exact integers in [0, vocab_size)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValidationTypeError(
+            "prompt", f"prompt_token_ids must be a list of integers, got {type(ids).__name__}"
+                      + ("; pass ids.tolist()" if hasattr(ids, "tolist") else ""), ids)
+    ids = list(ids)
+    if not all(type(i) is int for i in ids):  # the fast path first: plain ints
+        ids = [check_int("prompt", i) for i in ids]
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValidationError(
+            "prompt", f"prompt token ids must be in [0, {vocab_size}), got {min(ids)}..{max(ids)}",
+            [min(ids), max(ids)])
+    return ids

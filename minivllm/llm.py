@@ -3,23 +3,37 @@
 ``LLM.generate`` queues every prompt at once and steps the engine until all are done:
 continuous batching does the rest. ``LLM.stream`` yields text deltas of one request as
 the engine produces them.
+
+Every step of the engine returns outputs for *all* requests that progressed, whoever is
+waiting for them. So the outputs go through per-request buffers: each caller (a
+``generate`` call, each open ``stream``) steps the engine until its own buffer has
+something, and leaves the others' outputs in theirs. Two streams pulled in turn, or a
+``generate`` while a stream is open, all see every one of their outputs. (An ``LLM`` is
+not thread-safe: use it from one thread, or serve it with ``minivllm.server``.)
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from minivllm.chat_utils import apply_chat_template
 from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.exceptions import ValidationError, ValidationTypeError, check_bool
 from minivllm.metrics import Metric
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 Prompt = str | dict
-Message = dict[str, str]
+Message = dict[str, object]
+
+
+class RequestFailedError(RuntimeError):
+    """A streamed request finished with finish_reason "error" (the message says why)."""
 
 
 class LLM:
@@ -45,7 +59,12 @@ class LLM:
         log_stats_interval: float | None = 5.0,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
-        (then pass its ``tokenizer``, or None to work with token ids only)."""
+        (then pass its ``tokenizer``, or None to work with token ids only). Every option
+        is checked here (``EngineConfig``): a bad one raises ValidationError naming it."""
+        if not isinstance(model, (str, PreTrainedModel)):
+            raise ValidationTypeError(
+                "model", f"model must be a model name, a folder or a transformers model, got "
+                         f"{type(model).__name__}", model)
         config = EngineConfig(
             model=model if isinstance(model, str) else type(model).__name__,
             block_size=block_size,
@@ -67,6 +86,8 @@ class LLM:
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)
         self._counter = itertools.count()
+        self._outputs: dict[str, deque[RequestOutput]] = {}
+        """Outputs not yet read, per request someone here is waiting for."""
 
     def get_metrics(self) -> list[Metric]:
         """Engine metrics, as vLLM's ``LLM.get_metrics()``: a list of Counter, Gauge and
@@ -88,40 +109,69 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
+        check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise ValidationTypeError(
+                "prompt", f"prompts must be a str, a dict or a list of them, got "
+                          f"{type(prompts).__name__}", prompts)
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(prompts)} prompts but {len(params)} sampling params; "
-                    "pass one SamplingParams or one per prompt"
-                )
+                raise ValidationError(
+                    "sampling_params",
+                    f"got {len(prompts)} prompts but {len(params)} sampling_params; "
+                    "pass one SamplingParams or one per prompt", len(params))
+        else:
+            raise ValidationTypeError(
+                "sampling_params", f"sampling_params must be a SamplingParams or a list of them, "
+                                   f"got {type(sampling_params).__name__}", sampling_params)
         ids = self._add_all(prompts, params)
         return self._run(ids, use_tqdm)
 
+    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+        """Queue one request, with a buffer for its outputs."""
+        rid = str(next(self._counter))
+        self._outputs[rid] = deque()
+        try:
+            self.llm_engine.add_request(rid, prompt, params)
+        except BaseException:
+            del self._outputs[rid]
+            raise
+        return rid
+
     def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         """Queue all or nothing: if one prompt is invalid, the ones before it are withdrawn."""
-        engine = self.llm_engine
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                rid = str(next(self._counter))
-                engine.add_request(rid, prompt, p)
-                ids.append(rid)
+                ids.append(self._add(prompt, p))
         except Exception:
             if ids:
-                engine.abort_request(ids)
-                engine.step()  # hand out (and discard) the abort outputs
+                self._abort(ids)
+                self._step()  # hand out (and drop) the abort outputs
             raise
         return ids
 
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self._outputs.pop(rid, None)
+        live = [rid for rid in ids if rid in self.llm_engine.scheduler.requests]
+        if live:
+            self.llm_engine.abort_request(live)
+
+    def _step(self) -> None:
+        """One engine step; each output goes to the buffer of whoever waits for it."""
+        for out in self.llm_engine.step():
+            buffer = self._outputs.get(out.request_id)
+            if buffer is not None:  # None: nobody here is waiting (e.g. added to the engine directly)
+                buffer.append(out)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
-        wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -131,25 +181,32 @@ class LLM:
         in_toks = out_toks = 0
         try:
             while len(done) < len(ids):
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            # Like vLLM's bar: tokens of finished requests over wall time.
-                            in_toks += len(out.prompt_token_ids)
-                            out_toks += len(out.outputs[0].token_ids)
-                            elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(
-                                f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
-                                f"output: {out_toks / elapsed:.2f} toks/s",
-                                refresh=False,
-                            )
-                            bar.update(1)
+                self._step()
+                for rid in ids:
+                    buffer = self._outputs.get(rid)
+                    if not buffer:
+                        continue
+                    out = buffer[-1]
+                    buffer.clear()  # generate() keeps only the final output
+                    if not out.finished:
+                        continue
+                    done[rid] = out
+                    del self._outputs[rid]
+                    if bar is not None:
+                        # Like vLLM's bar: tokens of finished requests over wall time.
+                        in_toks += len(out.prompt_token_ids)
+                        out_toks += len(out.outputs[0].token_ids)
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
+                            f"output: {out_toks / elapsed:.2f} toks/s",
+                            refresh=False,
+                        )
+                        bar.update(1)
         except BaseException:
-            pending = [i for i in ids if i not in done and i in engine.scheduler.requests]
-            if pending:  # e.g. KeyboardInterrupt in a notebook: leave nothing hanging
-                engine.abort_request(pending)
-                engine.step()
+            # e.g. KeyboardInterrupt in a notebook: leave nothing hanging. (A failed step
+            # has been rolled back by the engine; the abort outputs go out with the next.)
+            self._abort([i for i in ids if i not in done])
             raise
         finally:
             if bar is not None:
@@ -163,23 +220,24 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        """Apply the tokenizer's chat template to one conversation or a list of them.
+
+        A message is ``{"role": "system" | "user" | "assistant", "content": ...}``;
+        content is a string or a list of text parts ``{"type": "text", "text": ...}``
+        (see ``minivllm.chat_utils``). A malformed message raises ValidationError."""
+        if isinstance(messages, Sequence) and messages and all(isinstance(m, dict) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, Sequence) and messages and all(isinstance(c, list) for c in messages):
+            conversations = list(messages)
+        else:  # empty, or a mixture: let the checks say what is wrong with it
+            conversations = [messages]
         prompts = [
             {"prompt_token_ids": self._chat_ids(c, add_generation_prompt)} for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_ids(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.get_tokenizer().apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
 
     def stream(
         self, prompt: Prompt | list[Message], sampling_params: SamplingParams | None = None
@@ -187,24 +245,31 @@ class LLM:
         """Yield the text of one request piece by piece as the engine produces it.
 
         A list of chat messages is templated first. Other requests already queued on the
-        engine keep being served in the same steps.
+        engine keep being served in the same steps, and other streams (or a ``generate``
+        call) may be consumed in between: each keeps its own outputs. If the request
+        fails (finish_reason "error"), :class:`RequestFailedError` is raised after the
+        text it produced. Nothing is queued until the first piece is asked for.
         """
         if isinstance(prompt, list):
             prompt = {"prompt_token_ids": self._chat_ids(prompt)}
-        engine = self.llm_engine
-        rid = str(next(self._counter))
-        engine.add_request(rid, prompt, sampling_params)
+        rid = self._add(prompt, sampling_params)
         finished = False
         try:
             while not finished:
-                for out in engine.step():
-                    if out.request_id == rid:
-                        if out.new_text:
-                            yield out.new_text
-                        finished = out.finished
+                buffer = self._outputs[rid]
+                if not buffer:
+                    self._step()
+                    continue
+                out = buffer.popleft()
+                if out.new_text:
+                    yield out.new_text
+                finished = out.finished
+            if out.outputs[0].finish_reason == "error":
+                raise RequestFailedError(f"request {rid} failed: {out.outputs[0].error}")
         finally:
-            if not finished and rid in engine.scheduler.requests:
-                engine.abort_request(rid)  # the caller stopped iterating early
+            if not finished:  # the caller stopped iterating early, or a step failed
+                self._abort([rid])
+            self._outputs.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while requests hold blocks."""

@@ -42,8 +42,9 @@ def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]
-    """request_id -> new token, for the requests that sampled this step."""
+    sampled: dict[str, int | Exception]
+    """request_id -> new token, for the requests that sampled this step (or the error
+    that sampling that one request raised: the engine finishes it alone)."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
 

@@ -16,9 +16,11 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """None while running; then "stop", "length" or "abort"."""
+    """None while running; then "stop", "length", "abort" or "error"."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it (None for EOS or length)."""
+    error: str | None = None
+    """With finish_reason "error": what failed (for this request only; others ran on)."""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

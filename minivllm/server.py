@@ -6,18 +6,28 @@
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``"stream": true`` gives server-sent events in OpenAI's chunk format, ending with
-``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text).
+``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text). The OpenAPI
+schema is at ``/openapi.json``.
 
 The engine itself lives in :class:`~minivllm.async_engine.AsyncLLMEngine`; this module
-only translates: JSON in, ``SamplingParams`` and prompts to the engine, outputs back to
-JSON, and every failure to OpenAI's error shape
+only translates: JSON in (``minivllm.protocol``), ``SamplingParams`` and prompts to the
+engine, outputs back to JSON, and every failure to OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` with the status a client expects:
 
-    400  malformed JSON, a wrong type, an invalid sampling value, a prompt that cannot
-         fit, max_tokens beyond the model's length, n > 1 (``param`` names the field)
-    401  a missing or wrong API key (when the server was started with one)
+    400  malformed JSON, a wrong type, an unknown or unsupported field, an invalid
+         sampling value, a prompt that cannot fit, max_tokens beyond the model's length
+         (``param`` names the field: it comes from the ValidationError that found it)
+    401  a missing or wrong API key (when the server was started with one), checked
+         before the body is read
     404  an unknown model name or path
-    503  more than ``max_waiting`` requests queued: retry later
+    413  a body larger than ``max_request_bytes``, refused before it is read
+    500  this request failed in the engine (finish_reason "error"); others carry on.
+         In a stream the same error arrives as an event ``data: {"error": {...}}``.
+    503  more than ``max_waiting`` requests waiting: retry later; or the engine has
+         stopped (``/health`` then answers 500 and says why)
+
+No request can take the server down: bad input is refused before it reaches the engine,
+and what fails inside the engine for one request ends that request only.
 
 In vLLM: ``vllm/entrypoints/openai/api_server.py`` and ``serving_chat.py`` /
 ``serving_completion.py``; ``vllm serve --api-key`` is the same flag.
@@ -28,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import secrets
 import socket
 import threading
@@ -39,12 +48,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.async_engine import (
@@ -54,14 +62,28 @@ from minivllm.async_engine import (
     RequestStream,
 )
 from minivllm.engine import LLMEngine
+from minivllm.exceptions import ValidationError
 from minivllm.llm import LLM
 from minivllm.metrics import Counter, Gauge, Histogram
 from minivllm.outputs import RequestOutput
+from minivllm.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelList,
+    SamplingRequest,
+    UnsupportedField,
+)
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
 
 DEFAULT_MAX_WAITING = 128
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+"""1 MiB: a prompt as long as the model allows (8192 tokens) is some 40 KB of text."""
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -71,107 +93,43 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def as_dict(self) -> dict:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
     def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": error}, status_code=self.status)
+        return JSONResponse({"error": self.as_dict()}, status_code=self.status)
 
 
 def _bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-_SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed"}
-
-
-def _value_error(e: Exception, prompt_field: str) -> APIError:
-    """Turn the engine's ValueError into a 400 naming the field it is about."""
+def _invalid(e: Exception, prompt_field: str = "prompt") -> APIError:
+    """A 400 for a validation error, ``param`` from the error itself. Problems with the
+    prompt are reported against the field that carried it (``messages`` for chat)."""
+    if isinstance(e, UnsupportedField):
+        return _bad_request(str(e), e.field)
+    param = getattr(e, "param", None)
     message = str(e)
-    first = re.match(r"\w+", message)
-    if first and first.group() in _SAMPLING_FIELDS | {"messages"}:
-        param = first.group()
-    elif "max_tokens" in message:
-        param = "max_tokens"
-    else:  # the engine's prompt checks: too long, empty, token ids out of range
+    if not isinstance(e, ValidationError):  # every check raises ValidationError; say so if not
+        logger.warning("a validation error without a field: %r", e)
+    if param == "prompt":
         param = prompt_field
-        message = f"{prompt_field}: {message}"
+        if not message.startswith(prompt_field):
+            message = f"{prompt_field}: {message}"
     return _bad_request(message, param)
 
 
-# -- request bodies ----------------------------------------------------------------------
-class _SamplingFields(BaseModel):
-    # Unknown fields (user, logit_bias, ...) are ignored, as OpenAI's server does for
-    # clients newer than itself.
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    return_token_ids: bool = False
-    """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
-
-    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise _bad_request(f"n: only n=1 is supported, got {self.n}", "n")
-        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
-        try:
-            return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
-                max_tokens=max_tokens,
-                min_tokens=self.min_tokens or 0,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos,
-                seed=self.seed,
-            )
-        except ValueError as e:
-            raise _value_error(e, "prompt") from None
+_ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in {
+    400: "invalid request (param names the field)", 401: "missing or wrong API key",
+    404: "unknown model", 413: "request body too large",
+    500: "the request failed in the engine", 503: "too many requests waiting, or the engine stopped",
+}.items()}
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-
-    def engine_prompt(self) -> str | dict:
-        p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            raise _bad_request("prompt: only one prompt per request is supported", "prompt")
-        if self.echo or self.logprobs is not None:
-            field = "echo" if self.echo else "logprobs"
-            raise _bad_request(f"{field}: not supported by this server", field)
-        return p if isinstance(p, str) else {"prompt_token_ids": p}
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-    def as_template_input(self) -> dict[str, str]:
-        content = self.content
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-        return {"role": self.role, "content": content or ""}
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    """The newer OpenAI name for max_tokens."""
+def _json_and_sse(model: type) -> dict:
+    return {200: {"model": model, "description": "the result, or server-sent events with stream=true",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 # -- metrics -----------------------------------------------------------------------------
@@ -237,12 +195,89 @@ class _CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+class _RequestGuard:
+    """ASGI middleware for what must be settled before a body is read: the API key (on
+    ``/v1``), then the body's size (413 above ``max_request_bytes``).
+
+    FastAPI reads and parses the body before it resolves an endpoint's dependencies, so a
+    key checked there would let anyone without one make the server parse 1 MB of JSON;
+    here the body is not even read. The key is compared as bytes, in constant time:
+    ``secrets.compare_digest`` on two *strings* raises on non-ASCII, and a header is
+    whatever a client sends. A body without ``Content-Length`` (chunked) is read here up
+    to the limit and handed on; one with a ``Content-Length`` over it is refused unread.
+    """
+
+    def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int | None) -> None:
+        self.app = app
+        self.api_key = None if api_key is None else api_key.encode()
+        self.max_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(headers):
+            error = APIError(401, "invalid or missing API key: send the header "
+                             "'Authorization: Bearer <key>'", "authentication_error",
+                             code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        if self.max_bytes is not None and scope["method"] not in ("GET", "HEAD"):
+            length = headers.get(b"content-length")
+            if length is not None:  # h11 has checked it is a number and the body matches it
+                if int(length) > self.max_bytes:
+                    return await self._too_large(int(length), scope, receive, send)
+            else:
+                body, size = await self._read(receive)
+                if body is None:
+                    return await self._too_large(size, scope, receive, send)
+                receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+    async def _read(self, receive) -> tuple[bytes | None, int]:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return None, size
+            more = message.get("more_body", False)
+        return b"".join(chunks), size
+
+    async def _too_large(self, size: int, scope, receive, send) -> None:
+        error = APIError(413, f"the request body has more than {self.max_bytes} bytes "
+                         f"(max_request_bytes); got {size}", code="request_too_large")
+        await error.response()(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """A ``receive`` that hands out the body read already, then listens on (for the
+    client's disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 # -- the app -----------------------------------------------------------------------------
 def build_app(
     llm: LLM | LLMEngine | None = None,
     *,
     api_key: str | None = None,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     served_model_name: str | None = None,
     **llm_kwargs: Any,
 ) -> FastAPI:
@@ -253,6 +288,13 @@ def build_app(
     and reachable as ``app.state.engine``. Use one app per server run; the engine itself
     can be served again later by a fresh app.
     """
+    if max_request_bytes is not None and (isinstance(max_request_bytes, bool)
+                                          or not isinstance(max_request_bytes, int)
+                                          or max_request_bytes < 1):
+        raise ValidationError("max_request_bytes", f"max_request_bytes must be a positive "
+                              f"integer or None, got {max_request_bytes!r}", max_request_bytes)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValidationError("api_key", "api_key must be a non-empty string or None", None)
     if llm is None:
         llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
         llm = LLM(**llm_kwargs)
@@ -288,7 +330,12 @@ def build_app(
         param = loc[0] if loc else None
         if param is None:
             return _bad_request(f"the request body must be a JSON object: {err['msg']}").response()
-        return _bad_request(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500], param).response()
+        where = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            message = f"{where}: unknown field; this API has no such field"
+        else:
+            message = f"{where}: {err['msg']} (got {err.get('input')!r})"
+        return _bad_request(message[:500], param).response()
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
@@ -299,20 +346,17 @@ def build_app(
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return APIError(e.status_code, str(e.detail), kind).response()
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            raise APIError(401, "invalid or missing API key: send the header "
-                           "'Authorization: Bearer <key>'", "authentication_error",
-                           code="invalid_api_key")
-
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{model_name!r}", "not_found_error", "model", "model_not_found")
+
+    def sampling_params(body: SamplingRequest, default_max_tokens: int | None) -> SamplingParams:
+        try:
+            body.check_supported()
+            return body.sampling_params(default_max_tokens)
+        except (ValidationError, UnsupportedField) as e:
+            raise _invalid(e) from None
 
     async def start(prompt: Any, params: SamplingParams, prefix: str, prompt_field: str) -> RequestStream:
         try:
@@ -320,22 +364,32 @@ def build_app(
         except EngineOverloadedError as e:
             raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
         except (ValueError, TypeError) as e:
-            raise _value_error(e, prompt_field) from None
+            raise _invalid(e, prompt_field) from None
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # preparing this one request failed: a 500 of its own
+            logger.exception("preparing a request failed")
+            raise APIError(500, f"the request could not be prepared: {e!r}", "server_error",
+                           code="request_failed") from None
 
     # -- endpoints -----------------------------------------------------------------------
-    v1 = [Depends(check_api_key)]
-
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def list_models() -> dict:
         card = {"id": model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "minivllm", "max_model_len": engine.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions", dependencies=v1)
+    post_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413, 500, 503)}
+
+    @app.post("/v1/completions", response_model=None,
+              responses={**_json_and_sse(CompletionResponse), **post_errors})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = body.engine_prompt()
-        params = body.sampling_params(default_max_tokens=16)  # OpenAI's default here
+        params = sampling_params(body, default_max_tokens=16)  # OpenAI's default here
+        try:
+            prompt = body.engine_prompt()
+        except ValidationError as e:
+            raise _invalid(e) from None
         stream = await start(prompt, params, "cmpl", "prompt")
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": model_name}
@@ -355,20 +409,27 @@ def build_app(
         out = await _unless_disconnected(request, _last(stream))
         if out is None:
             return Response(status_code=499)
+        _raise_if_failed(out)
         result = {**head, "choices": [choice(out, out.outputs[0].text, True)], "usage": _usage(out)}
         if body.return_token_ids:
             result["choices"][0]["token_ids"] = out.outputs[0].token_ids
         return JSONResponse(result)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={**_json_and_sse(ChatCompletionResponse), **post_errors})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        if not body.messages:
-            raise _bad_request("messages: at least one message is needed", "messages")
-        if body.max_tokens is None and body.max_completion_tokens is not None:
+        renamed = body.max_tokens is None and body.max_completion_tokens is not None
+        if renamed:
             body.max_tokens = body.max_completion_tokens
-        params = body.sampling_params(default_max_tokens=None)  # as long as the model allows
-        messages = [m.as_template_input() for m in body.messages]
+        try:
+            params = sampling_params(body, default_max_tokens=None)  # as long as the model allows
+        except APIError as e:
+            if renamed and e.param == "max_tokens":  # name the field the client sent
+                e.param, e.message = "max_completion_tokens", e.message.replace(
+                    "max_tokens", "max_completion_tokens", 1)
+            raise
+        messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
         stream = await start(messages, params, "chatcmpl", "messages")
         head = {"id": stream.request_id, "object": "chat.completion",
                 "created": int(time.time()), "model": model_name}
@@ -394,6 +455,7 @@ def build_app(
         out = await _unless_disconnected(request, _last(stream))
         if out is None:
             return Response(status_code=499)
+        _raise_if_failed(out)
         c = out.outputs[0]
         message = {"role": "assistant", "content": c.text}
         choice = {"index": 0, "message": message, "logprobs": None,
@@ -402,14 +464,17 @@ def build_app(
             choice["token_ids"] = c.token_ids
         return JSONResponse({**head, "choices": [choice], "usage": _usage(out)})
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses={500: {
+        "model": ErrorResponse, "description": "the engine has stopped, and why"}})
     async def health() -> JSONResponse:
         if async_engine.error is not None:
             return APIError(500, f"the engine failed: {async_engine.error!r}", "server_error").response()
         return JSONResponse({"status": "ok", "num_requests_running": async_engine.num_running,
                              "num_requests_waiting": async_engine.num_queued})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def metrics() -> Response:
         records = await async_engine.get_metrics() if async_engine.error is None else []
         records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})
@@ -419,11 +484,19 @@ def build_app(
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     handlers = {r.path for r in app.routes if hasattr(r, "path")}
-    app.add_middleware(_CountResponses, counts=http_counts, handlers=handlers)
+    app.add_middleware(_RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(_CountResponses, counts=http_counts, handlers=handlers)  # outermost: counts 401/413 too
     return app
 
 
 # -- helpers for the endpoints -------------------------------------------------------------
+def _raise_if_failed(out: RequestOutput) -> None:
+    """A request that finished with finish_reason "error" is a 500 of its own."""
+    c = out.outputs[0]
+    if c.finish_reason == "error":
+        raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+
+
 def _usage(out: RequestOutput) -> dict[str, int]:
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -458,26 +531,34 @@ async def _unless_disconnected(request: Request, work: Any) -> Any:
 
 
 def _sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], head: dict,
-         body: _SamplingFields) -> StreamingResponse:
+         body: SamplingRequest) -> StreamingResponse:
     """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
 
     When the client disconnects, Starlette cancels this generator while it waits for the
     next output; ``stream.close()`` in ``finally`` then aborts the request.
     """
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def events() -> AsyncIterator[str]:
+        # The status line (200) is long gone when something fails: report it in-band, as
+        # a last event holding an error (the openai client raises it as an APIError).
         try:
             async for out in stream:
+                if out.outputs[0].finish_reason == "error":
+                    error = APIError(500, f"the request failed: {out.outputs[0].error}",
+                                     "server_error", code="request_failed")
+                    yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+                    break
                 data = chunk(out)
                 if data is not None:
                     yield f"data: {json.dumps(data)}\n\n"
                 if out.finished and include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(out)})}\n\n"
+        except EngineDeadError as e:
+            error = APIError(503, str(e), "service_unavailable")
+            yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+        else:
             yield "data: [DONE]\n\n"
-        except EngineDeadError as e:  # the status line is long gone: report in-band
-            error = {"message": str(e), "type": "server_error", "param": None, "code": None}
-            yield f"data: {json.dumps({'error': error})}\n\n"
         finally:
             stream.close()
 
@@ -548,8 +629,10 @@ class ServerThread:
 
 
 def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
-               max_waiting: int | None = DEFAULT_MAX_WAITING, **llm_kwargs: Any) -> None:
+               max_waiting: int | None = DEFAULT_MAX_WAITING,
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, **llm_kwargs: Any) -> None:
     """Load the model and serve it until interrupted (what ``minivllm serve`` runs)."""
-    app = build_app(api_key=api_key, max_waiting=max_waiting, **llm_kwargs)
+    app = build_app(api_key=api_key, max_waiting=max_waiting, max_request_bytes=max_request_bytes,
+                    **llm_kwargs)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
     _Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()

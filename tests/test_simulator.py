@@ -98,7 +98,7 @@ def test_500_requests_all_finish_and_free_every_block():
 @pytest.mark.parametrize("num_blocks", [200, 24])  # ample, and so few that requests are preempted
 def test_same_scheduling_decisions_as_the_real_runner(num_blocks):
     cfg = dict(block_size=4, num_kv_blocks=num_blocks, max_num_batched_tokens=48, max_num_seqs=6,
-               max_model_len=256, log_stats_interval=None, device="cpu")
+               max_model_len=96, log_stats_interval=None, device="cpu")
     workload = make_workload(None, 12, seed=7, prompt_len=(5, 70), output_len=(2, 14), vocab_size=512)
     real = LLMEngine(EngineConfig(**cfg), make_tiny_model("llama"), None)
     sim = make_simulated_engine(COST, **cfg)

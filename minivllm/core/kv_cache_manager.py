@@ -130,6 +130,17 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
+    def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Forget the prefix-cache hashes of the request's blocks past its first
+        ``num_computed_tokens`` tokens: a step that failed registered them before their
+        K/V was written. Blocks before that point (prefix hits among them) keep theirs."""
+        first = num_computed_tokens // self.block_size
+        for block in self.req_to_blocks.get(request.request_id, [])[first:]:
+            self.block_pool._evict(block)  # the pool's own eviction: drop the hash
+        cached = self.num_cached_blocks.get(request.request_id)
+        if cached is not None:
+            self.num_cached_blocks[request.request_id] = min(cached, first)
+
     def free(self, request: Request) -> None:
         """Release a request's blocks. Tail blocks are freed first so they are evicted
         first: a later request is likelier to share a prefix than a tail."""

@@ -128,7 +128,12 @@ class Scheduler:
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.enable_chunked_prefill:
-                break
+                # Without chunking a prompt runs whole (add_request keeps prompts within the
+                # budget). A preempted request may have grown past the whole budget while it
+                # ran, though: it is recomputed in chunks, or it could never run again.
+                resumed = request.status is RequestStatus.PREEMPTED
+                if not (resumed and num_new > self.max_num_batched_tokens):
+                    break
             num_new = min(num_new, budget)
             if kv.allocate_slots(request, num_new, hits) is None:
                 break
@@ -155,18 +160,52 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def rollback(self, scheduler_output: SchedulerOutput) -> None:
+        """Undo a step whose forward pass failed, so the engine can carry on as if it had
+        not been scheduled (it may be scheduled again at once).
+
+        ``schedule()`` counted every scheduled token as computed and registered the blocks
+        they fill in the prefix cache; neither holds now. So each scheduled request gets
+        its ``num_computed_tokens`` back, the hashes of blocks this step was to fill are
+        forgotten (nobody may hit K/V that was never written), and requests admitted in
+        this step go back to the front of the waiting queue with their blocks freed (they
+        may have adopted a block that this very step was to fill). Preemptions stand:
+        a preempted request is consistent on its own, and will be recomputed.
+        """
+        kv = self.kv_cache_manager
+        admitted = [s for s in scheduler_output.scheduled
+                    if s.request.request_id in scheduler_output.prefix_cache_hits]
+        for s in scheduler_output.scheduled:
+            kv.uncache_blocks(s.request, s.num_computed_tokens)
+            s.request.num_computed_tokens = s.num_computed_tokens
+        for s in reversed(admitted):  # appendleft in reverse keeps their order
+            request = s.request
+            self.running.remove(request)
+            kv.free(request)
+            request.num_computed_tokens = 0
+            resumed = request.metrics.num_preemptions > 0
+            request.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | Exception]
     ) -> list[Request]:
         """Append each sampled token, apply token-level stop rules, free the finished.
 
-        Returns the requests that received a token this step (finished or not).
+        A request whose sampling failed (an exception in place of its token) is finished
+        with status FINISHED_ERROR; the others are not affected. Returns the requests
+        that received a token or an error this step (finished or not).
         """
         updated = []
         for s in scheduler_output.scheduled:
             request = s.request
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
+                continue
+            if isinstance(token, Exception):
+                request.error = str(token)
+                self.finish_request(request, RequestStatus.FINISHED_ERROR)
+                updated.append(request)
                 continue
             request.append_output_token(token)
             status = self._check_stop(request)

@@ -1,0 +1,255 @@
+"""The bodies of the OpenAI-compatible API, as pydantic models (and so as its OpenAPI schema).
+
+What this layer checks is what JSON can get wrong: the shape of the body and the *type*
+of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
+``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
+are refused with a 400 naming them, and so are the OpenAI fields this server does not
+implement (penalties, ``logit_bias``, ``min_p``, ``response_format``, tools, ``best_of``,
+``suffix``, logprobs): a field that is accepted and silently ignored would change what a
+client gets without telling it. Each unsupported field is accepted only with the value
+that asks for nothing (``presence_penalty: 0``, ``n: 1``, ...), which some clients send.
+
+Value *ranges* (temperature >= 0, top_p in (0, 1], ...) are published in the schema, from
+the constants in ``minivllm.sampling_params``, but checked by ``SamplingParams`` alone, so
+a value the offline API refuses is refused over HTTP with the same message and ``param``.
+Chat messages are checked the same way by ``minivllm.chat_utils``.
+
+In vLLM: ``vllm/entrypoints/openai/protocol.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from minivllm.chat_utils import ROLES
+from minivllm.exceptions import ValidationError
+from minivllm.sampling_params import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+
+
+class APIModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def bounded(kind: type, **schema: Any) -> Any:
+    """``kind | None`` whose schema carries bounds that ``SamplingParams`` enforces."""
+    return Annotated[kind, Field(json_schema_extra=schema)] | None
+
+
+TokenIds = list[Annotated[int, Field(json_schema_extra={"minimum": 0})]]
+
+
+class UnsupportedField(ValueError):
+    """A field this server does not implement, set to something other than its no-op."""
+
+    def __init__(self, field: str, value: Any, noop: Any) -> None:
+        super().__init__(f"{field} is not supported by this server (got {value!r}); leave it out"
+                         + (f" or send {noop!r}" if noop is not None else ""))
+        self.field = field
+
+
+def unsupported(noop: Any = None) -> Any:
+    """A field accepted only with the value that asks for nothing (``noop``, or null)."""
+    allowed = "null" if noop is None else f"null or {noop!r}"
+    return Field(None, description=f"Not supported by this server: refused unless {allowed}.",
+                 json_schema_extra={"x-noop": noop})
+
+
+class StreamOptions(APIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(APIModel):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model: str | None = None
+    max_tokens: bounded(int, minimum=1) = None
+    temperature: bounded(float, minimum=0) = None
+    top_p: bounded(float, exclusiveMinimum=0, maximum=1) = None
+    top_k: bounded(int, minimum=-1) = None
+    min_tokens: bounded(int, minimum=0) = None
+    seed: bounded(int, minimum=SEED_MIN, maximum=SEED_MAX) = None
+    stop: (Annotated[str, Field(json_schema_extra={"minLength": 1})]
+           | Annotated[list[Annotated[str, Field(json_schema_extra={"minLength": 1})]],
+                       Field(json_schema_extra={"maxItems": MAX_STOP_STRINGS})]
+           | None) = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1})] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
+    user: str | None = None
+    """An end-user id for the caller's own records; it changes nothing in the output."""
+
+    presence_penalty: Any = unsupported(0)
+    frequency_penalty: Any = unsupported(0)
+    repetition_penalty: Any = unsupported(1)
+    min_p: Any = unsupported(0)
+    logit_bias: Any = unsupported({})
+    response_format: Any = unsupported({"type": "text"})
+
+    def check_supported(self) -> None:
+        """Raise :class:`UnsupportedField` for the first field asking for something
+        this server does not do."""
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "x-noop" in extra:
+                value = getattr(self, name)
+                if value is not None and not _same(value, extra["x-noop"]):
+                    raise UnsupportedField(name, value, extra["x-noop"])
+        if self.n != 1:
+            raise ValidationError("n", f"n: only n=1 is supported, got {self.n}", self.n)
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedField("stream_options", self.stream_options.model_dump(), None)
+
+    def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; SamplingParams checks every value."""
+        max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens or 0,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.seed,
+        )
+
+
+def _same(value: Any, noop: Any) -> bool:
+    # bool is an int in Python: False == 0, but false is not the number 0 in JSON.
+    return type(value) is type(noop) and value == noop or (
+        isinstance(noop, (int, float)) and not isinstance(noop, bool)
+        and type(value) in (int, float) and value == noop)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | TokenIds | Annotated[list[str], Field(json_schema_extra={"maxItems": 1})] | \
+        Annotated[list[TokenIds], Field(json_schema_extra={"maxItems": 1})]
+    echo: Any = unsupported(False)
+    logprobs: Any = unsupported()
+    best_of: Any = unsupported(1)
+    suffix: Any = unsupported()
+
+    def engine_prompt(self) -> str | dict:
+        """The prompt as the engine takes it; a batch of one is unwrapped."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ValidationError(
+                    "prompt", f"prompt: only one prompt per request is supported, got {len(p)}",
+                    len(p))
+            p = p[0]
+        return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+
+_TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
+class ChatMessage(APIModel):
+    """Checked by ``minivllm.chat_utils`` (the same checks as ``LLM.chat``); the schema
+    says what it accepts."""
+
+    role: Annotated[str, WithJsonSchema({"enum": list(ROLES)})]
+    content: Annotated[Any, WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]})]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})]
+    max_completion_tokens: bounded(int, minimum=1) = None
+    """The newer OpenAI name for max_tokens."""
+    logprobs: Any = unsupported(False)
+    top_logprobs: Any = unsupported()
+    tools: Any = unsupported([])
+    tool_choice: Any = unsupported("none")
+    parallel_tool_calls: Any = unsupported()
+    functions: Any = unsupported([])
+    function_call: Any = unsupported("none")
+
+
+# -- responses (for the schema, and for clients reading it) ----------------------------------
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    num_requests_running: int
+    num_requests_waiting: int

@@ -1,0 +1,249 @@
+"""No request can hurt another, over HTTP (issue 16): a bad-input matrix and a fuzzer.
+
+One server (a tiny random model behind SmolLM2's tokenizer and chat template) takes a
+matrix of hostile requests, each of which must get a 4xx naming the field, and then
+schemathesis (https://schemathesis.readthedocs.io), which generates requests from the
+server's own OpenAPI schema, valid and invalid, bounded and derandomized, with the checks
+"no 5xx" and "the response matches the schema". After each, a greedy canary must still
+return the text it returned before, and ``/health`` must say the engine is fine.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_chat import CANARY_PARAMS, CANARY_PROMPT, canary, tiny_chat_llm
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+schemathesis = pytest.importorskip("schemathesis")
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from minivllm.server import ServerThread, build_app  # noqa: E402
+
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_BYTES = 64 * 1024
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "What is the capital of France?"}]
+NAN_BODY = b'{"prompt": "hi", "temperature": NaN}'
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(server, the canary's text before any abuse)."""
+    llm = tiny_chat_llm(max_model_len=64, max_num_seqs=16)
+    expected = canary(llm)
+    app = build_app(llm, api_key=KEY, max_waiting=64, max_request_bytes=MAX_BYTES)
+    with ServerThread(app) as server:
+        yield server, expected
+
+
+@pytest.fixture()
+def client(served):
+    with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def http_canary(client) -> str:
+    body = {"prompt": CANARY_PROMPT, **CANARY_PARAMS}
+    r = client.post(C, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def engine_is_fine(client, served) -> None:
+    """The engine is alive, idle, and answers exactly as before."""
+    server, expected = served
+    assert server.app.state.engine.error is None
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    assert http_canary(client) == expected
+
+
+# -- the matrix ------------------------------------------------------------------------------
+def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
+    """(path, body, status, param) for each hostile request."""
+    out = []
+
+    def bad(path, body, param, status=400):
+        out.append((path, body, status, param))
+
+    for path in (C, CHAT):
+        base = {"prompt": "hi"} if path == C else {"messages": MSG}
+        field_values = {
+            "temperature": ["NaN", "1e-40", "Infinity", -1, -1e-30, True, "hot", [1]],
+            "top_p": [0, 0.0, -0.5, 1.5, "1e-50", "0.5", True],
+            "top_k": [1.5, True, -2, "5"],
+            "max_tokens": [0, -5, 1.5, "16", True, 10**6],
+            "min_tokens": [-1, 1.5, "2"],
+            "seed": [2**64, -(2**63) - 1, 1.5, "1", True],
+            "stop": [[1], 1, [""], "", ["a"] * 17, {"x": 1}],
+            "stop_token_ids": [[-1], [1.5], "x", [10**9], [True]],
+            "ignore_eos": [1, "true"],
+            "n": [2, 0, "1"],
+            "stream": ["yes", 1],
+            "return_token_ids": [1],
+            "user": [5],
+            "presence_penalty": [0.5, -2], "frequency_penalty": [1], "repetition_penalty": [1.2],
+            "min_p": [0.1], "logit_bias": [{"1": 5}], "response_format": [{"type": "json_object"}],
+            "temprature": [0.5],  # a typo is an unknown field, not a silent default
+        }
+        for field, values in field_values.items():
+            for v in values:
+                bad(path, {**base, field: v}, field)
+        bad(path, {**base, "min_tokens": 10, "max_tokens": 2}, "min_tokens")
+        bad(path, {**base, "stream_options": {"include_usage": True}}, "stream_options")
+        bad(path, {**base, "stream": True, "stream_options": {"nope": 1}}, "stream_options")
+        bad(path, {**base, "model": "gpt-4"}, "model", 404)
+        bad(path, [base], None)
+        bad(path, "hi", None)
+        bad(path, b'{"prompt": ', None)
+        bad(path, b"\xff\xfe\x00", None)
+        bad(path, NAN_BODY.replace(b'"prompt": "hi"', json.dumps(base)[1:-1].encode()), "temperature")
+        bad(path, json.dumps(base).encode()[:-1] + b', "presence_penalty": NaN}', "presence_penalty")
+    for prompt in (None, 5, [], "", [1.5], [-1], [10**9], ["a", "b"], [[1], [2]], [1] * 100, [True]):
+        bad(C, {"prompt": prompt, "max_tokens": 4} if prompt is not None else {"max_tokens": 4}, "prompt")
+    for field, value in (("echo", True), ("logprobs", 1), ("best_of", 2), ("suffix", "x")):
+        bad(C, {"prompt": "hi", field: value}, field)
+    for messages in ([], "hello", [{"role": "user"}], [{"content": "x"}],
+                     [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}],
+                     [{"role": "user", "content": None}],
+                     [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                     [{"role": "user", "content": [{"type": "text", "text": None}]}],
+                     [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}],
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                     [{"role": "user", "content": [{"type": "text"}]}],
+                     [{"role": "user", "content": "hi", "name": "bob"}],
+                     [{"role": "user", "content": "x" * 600}]):
+        bad(CHAT, {"messages": messages}, "messages")
+    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function"}]),
+                         ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+                         ("parallel_tool_calls", True), ("max_completion_tokens", 0)):
+        bad(CHAT, {"messages": MSG, field: value}, field)
+    return out
+
+
+CASES = cases()
+NOT_AUTHORIZED = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                  {"Authorization": "Basic Zm9vOmJhcg=="}, {"Authorization": "Bearer kä".encode()},
+                  {"Authorization": b"Bearer \xff\xfe"}, {"Authorization": "bearer"}]
+
+
+def test_bad_input_matrix_over_http(served, client):
+    """Every case is refused with its status, ``param`` naming the field, and OpenAI's
+    error shape; the engine never notices."""
+    server, _ = served
+    engine_is_fine(client, served)
+    statuses: dict[int, int] = {}
+    for path, body, status, param in CASES:
+        if isinstance(body, bytes):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = client.post(path, json=body)
+        assert r.status_code == status, (path, body, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param, (body, error)
+        if param is not None:
+            assert param in error["message"], (body, error)
+        statuses[status] = statuses.get(status, 0) + 1
+    for headers in NOT_AUTHORIZED:
+        r = httpx.post(server.url + C, json={"prompt": "hi"}, headers=headers, timeout=60)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    # The key is checked before the body is read: a huge body without one is a 401.
+    r = httpx.post(server.url + C, content=b"x" * (8 * MAX_BYTES), timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 401
+    # Bodies over the limit: 413, whether or not they say their length up front.
+    big = json.dumps({"prompt": "y" * MAX_BYTES}).encode()
+    r = client.post(C, content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = client.post(C, content=iter([big[:1000], big[1000:]]), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    # A body just under the limit, sent in chunks, is read whole and served.
+    r = client.post(C, content=iter([b'{"prompt": "hi", ', b'"max_tokens": 2}']),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    # stream_options with a stream is honoured (the usage chunk comes before [DONE]).
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", C, json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["usage"]["completion_tokens"] == 2
+    tried = len(CASES) + len(NOT_AUTHORIZED) + 4
+    engine_is_fine(client, served)
+    print(f"\nHTTP bad inputs tried: {tried}, clean 4xx rejections: {tried - 1} "
+          f"(+1 chunked body served), by status {statuses}, engine deaths: 0")
+
+
+@pytest.mark.parametrize("extra", [dict(temperature=1e-40), dict(temperature=5e-324),
+                                   dict(temperature=1e-37), dict(temperature=1.0, top_p=1e-46),
+                                   dict(temperature=0.9, top_p=1e-50)])
+def test_former_engine_killers_are_served_greedy(served, client, extra):
+    """These once made the step raise and killed the server; now they are greedy."""
+    body = {"prompt": CANARY_PROMPT, **CANARY_PARAMS, **extra}
+    r = client.post(C, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == served[1]
+    engine_is_fine(client, served)
+
+
+def test_seed_out_of_range_names_seed_in_chat(client):
+    r = client.post(CHAT, json={"messages": MSG, "seed": 2**64})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
+def test_stop_string_on_the_last_allowed_token(served, client):
+    r = client.post(C, json={"prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0})
+    text = r.json()["choices"][0]["text"]
+    stop = text.strip()
+    assert stop
+    r = client.post(C, json={"prompt": CANARY_PROMPT, "max_tokens": 1, "temperature": 0, "stop": [stop]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    assert choice["text"] == text[: text.index(stop)]
+
+
+# -- schemathesis --------------------------------------------------------------------------------
+# Driven through its Python API (a strategy of cases for every operation, valid and
+# invalid) rather than its pytest plugin, whose fixture-based loading does not work
+# with pytest 9.
+FUZZ_EXAMPLES = 300
+
+
+def test_fuzzed_requests_never_get_a_5xx_and_match_the_schema(served, client):
+    schema = schemathesis.openapi.from_url(served[0].url + "/openapi.json")
+    strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE),
+                         schema.as_strategy(GenerationMode.NEGATIVE))
+    by_status: dict[int, int] = {}
+    by_operation: dict[str, int] = {}
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def fuzz(case):
+        response = case.call_and_validate(
+            headers=AUTH, timeout=60,
+            checks=[not_a_server_error, response_schema_conformance, status_code_conformance])
+        by_status[response.status_code] = by_status.get(response.status_code, 0) + 1
+        label = f"{case.method} {case.path}"
+        by_operation[label] = by_operation.get(label, 0) + 1
+
+    fuzz()
+    examples = sum(by_status.values())
+    assert examples >= FUZZ_EXAMPLES // 2, by_status  # hypothesis may stop early on its own
+    assert by_status.get(200, 0) >= 20 and by_status.get(400, 0) >= 20, by_status
+    assert len(by_operation) == 5, by_operation
+    engine_is_fine(client, served)
+    assert served[0].app.state.engine.kv_cache_usage == 0
+    print(f"\nschemathesis examples run: {examples}, by status {by_status}, by operation {by_operation}")
