@@ -29,6 +29,9 @@ WHEELHOUSE  ?= $(if $(wildcard wheelhouse/*.whl),wheelhouse)
 PYTEST_ARGS ?=
 PROMPT      ?= What is the capital of France?
 DOCS_OUT    ?= build/docs/html
+# Learner copies of the notebooks: solutions removed, outputs cleared (`make learner`).
+# Inside notebooks/ so that they run with notebooks/conftest.py under `make test`.
+LEARNER_DIR ?= notebooks/learner
 # Jupyter refuses to run as root (common in containers) unless told it may.
 LAB_ARGS    ?= $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
@@ -42,12 +45,13 @@ TORCH_ARGS := $(if $(TORCH_SPEC),--torch-spec "$(TORCH_SPEC)") \
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
 .DEFAULT_GOAL := help
-.PHONY: help setup wheelhouse warmup lab test demo docs browser lint clean
+.PHONY: help setup wheelhouse warmup lab learner test demo docs browser lint clean
 
 help:
 	@echo "make lab        set up (first time: a few minutes), then open JupyterLab on notebooks/"
 	@echo "make test       set up, then ruff and pytest over tests/ and the notebooks (nbval)"
 	@echo "make demo       set up, then ask the embedded chat model \"$(PROMPT)\""
+	@echo "make learner    write the learner copies of the notebooks (no solutions) to $(LEARNER_DIR)/"
 	@echo "make docs       set up, then build the course website into $(DOCS_OUT) (offline)"
 	@echo "make setup      only create .venv and install everything (from WHEELHOUSE if set)"
 	@echo "make warmup     set up, then convert and cache the model and time one generation"
@@ -84,9 +88,13 @@ warmup: setup
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
-test: setup
+# The instructor notebooks and the learner copies both run under nbval.
+test: setup learner
 	$(BIN)/ruff check .
 	$(BIN)/pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
+
+learner: setup
+	$(BIN)/python -m minivllm.exercises notebooks $(LEARNER_DIR)
 
 demo: setup
 	$(BIN)/minivllm generate "$(PROMPT)"

@@ -7,9 +7,10 @@ connections, streaming tokens and noticing disconnects for that long. So:
 * **One stepping thread.** Every call into the engine (add, abort, step, metrics) runs
   on a single worker thread, one after another. The engine is not thread-safe and
   never needs to be: the thread serialises it. The event loop only awaits.
-* **Tokenizing elsewhere.** Chat templating and tokenization (about a second per MB of
-  text) run on a second thread before the request reaches the stepping thread, so a
-  long prompt never pauses the streams of everyone else. Only the token ids cross over.
+* **Tokenizing elsewhere.** Chat templating and tokenization (the engine's
+  ``Processor``) run on a second thread before the request reaches the stepping thread,
+  so a long prompt never pauses the streams of everyone else. Only the checked token
+  ids cross over, and the engine does not tokenize or check them again.
 * **One background task** keeps that thread busy while any request is unfinished and
   sleeps when there is nothing to do.
 * **One queue per request.** The task routes each ``RequestOutput`` to the queue of its
@@ -38,10 +39,10 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from minivllm.chat_utils import apply_chat_template
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError
 from minivllm.outputs import RequestOutput
+from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -186,7 +187,7 @@ class AsyncLLMEngine:
         self.num_running = len(scheduler.running)
         self.kv_cache_usage = self.engine.kv_cache_manager.usage
 
-    def _add(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt, params)
             self._snapshot()
@@ -195,29 +196,22 @@ class AsyncLLMEngine:
             # threads would not be.
             self._adding.discard(request_id)
 
-    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> dict:
-        """Template and tokenize (on the tokenizer thread); check the length."""
-        engine = self.engine
+    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
+        """Template or tokenize (on the tokenizer thread, through the engine's
+        :class:`~minivllm.processor.Processor`); refuse a ``max_tokens`` that cannot fit."""
+        processor = self.engine.processor
         if isinstance(prompt, list):  # chat messages
-            prompt = {"prompt_token_ids": apply_chat_template(engine.tokenizer, prompt)}
-        elif isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise ValidationError(
-                    "prompt", "this engine has no tokenizer: send token ids instead", prompt)
-            try:
-                ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
-            except Exception as e:  # e.g. a lone surrogate, which JSON can carry
-                raise ValidationError("prompt", f"the prompt cannot be tokenized: {e}", None) from None
-            prompt = {"prompt": prompt, "prompt_token_ids": ids}
-        if self.reject_over_length and isinstance(prompt, dict) and params.max_tokens is not None:
-            n = len(prompt.get("prompt_token_ids", ()))
-            if 0 < n < engine.max_model_len < n + params.max_tokens:
-                raise ValidationError(
-                    "max_tokens",
-                    f"max_tokens is {params.max_tokens}, but the prompt has {n} tokens and the "
-                    f"model's maximum length is {engine.max_model_len} tokens, so at most "
-                    f"{engine.max_model_len - n} can be generated", params.max_tokens)
-        return prompt
+            processed = processor.process_chat(prompt)
+        else:
+            processed = processor.process_prompt(prompt)
+        n, max_len = len(processed.prompt_token_ids), processor.max_model_len
+        if self.reject_over_length and params.max_tokens is not None and 0 < n < max_len < n + params.max_tokens:
+            raise ValidationError(
+                "max_tokens",
+                f"max_tokens is {params.max_tokens}, but the prompt has {n} tokens and the "
+                f"model's maximum length is {max_len} tokens, so at most "
+                f"{max_len - n} can be generated", params.max_tokens)
+        return processed
 
     def _step(self, aborts: set[str]) -> tuple[list[RequestOutput], bool]:
         live = [i for i in aborts if i in self.engine.scheduler.requests]
@@ -317,7 +311,9 @@ class AsyncLLMEngine:
             stream.close()
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with a final output, finish_reason "abort"."""
+        """Abort a request; its stream ends with a final output, finish_reason "abort".
+        Part of the vLLM-shaped API (``AsyncLLM.abort``): the server never calls it, as
+        closing a request's stream aborts it too."""
         self._aborts.add(request_id)
         if self._wakeup is not None:
             self._wakeup.set()

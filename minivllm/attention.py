@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "minivllm"
 BACKENDS = ("auto", "torch", "triton")
+BACKEND_CLASSES = {"torch": "minivllm.attention:TorchAttentionBackend",
+                   "triton": "minivllm.attention:TritonAttentionBackend"}
+"""The class each backend name stands for (``attention_backend`` also takes a class of
+your own: the build-it-yourself hook, ``minivllm.config.COMPONENT_FIELDS``)."""
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 """One layer's (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -101,7 +105,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Causal attention of the flat batch of queries over the paged cache."""
+        """Causal attention of the flat batch of queries over the paged cache: query ``i``
+        of sequence ``s`` sits at position ``seq_lens[s] - q_len + i`` and attends to that
+        sequence's keys at positions up to its own, found through ``block_tables[s]``."""
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -211,7 +217,7 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" picks Triton on CUDA and PyTorch elsewhere."""
+    """A backend's name: "auto" picks Triton on CUDA and PyTorch elsewhere."""
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -225,7 +231,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def get_attn_backend(backend: str, kv_caches: list[KVCache], device: torch.device) -> AttentionBackend:
-    """The backend object for a resolved name (:func:`resolve_backend`) over these caches."""
-    classes = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
-    return classes[backend](kv_caches, device)
+def get_attn_backend(backend: str | type[AttentionBackend], kv_caches: list[KVCache],
+                     device: torch.device) -> AttentionBackend:
+    """The backend object over these caches: of a resolved name (:func:`resolve_backend`),
+    or of an :class:`AttentionBackend` class."""
+    if isinstance(backend, str):
+        backend = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[backend]
+    return backend(kv_caches, device)

@@ -1,4 +1,4 @@
-"""The ``minivllm`` command: ``minivllm generate "prompt"``, ``minivllm serve`` (more subcommands join as they land)."""
+"""The ``minivllm`` command: ``minivllm generate "prompt"``, ``minivllm serve``, ``minivllm check`` (more subcommands join as they land)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,20 @@ import argparse
 import logging
 import sys
 
+from minivllm.config import EngineConfig, add_engine_arguments, engine_kwargs
 from minivllm.exceptions import ValidationError
+from minivllm.model_loader import DEFAULT_MODEL
+
+GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "device")
+"""The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
+SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")
+"""Every engine setting, except the trace's length: a server keeps its last 1000 steps."""
 
 
 def _generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(args.model, attention_backend=args.attention_backend, linear_backend=args.linear_backend)
+    llm = LLM(**engine_kwargs(args))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
     if args.raw:
@@ -28,13 +35,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from minivllm.server import run_server
 
-    run_server(
-        args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes, model=args.model, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend, linear_backend=args.linear_backend,
-    )
+    run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+               max_request_bytes=args.max_request_bytes, **engine_kwargs(args))
     return 0
 
 
@@ -45,51 +47,64 @@ def _warmup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace) -> int:
+    from minivllm.check import main
+
+    return main(args.piece, args.spec, args.select)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``minivllm`` command's parser (the docs' CLI reference is generated from it)."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one answer from the model")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default="smollm2-135m-instruct")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed of the request")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    gen.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    gen.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch", "transposed"])
+    add_engine_arguments(gen, GENERATE_SETTINGS)
     gen.set_defaults(func=_generate)
     from minivllm.bench.cli import add_arguments as add_bench_arguments
     from minivllm.bench.cli import run as run_bench
+    from minivllm.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING
 
     bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
     add_bench_arguments(bench)
     bench.set_defaults(func=run_bench)
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    srv.add_argument("--model", default="smollm2-135m-instruct")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    srv.add_argument("--max-waiting", type=int, default=128,
+    srv.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                      help="refuse new requests (HTTP 503) while this many wait for a seat")
-    srv.add_argument("--max-request-bytes", type=int, default=1 << 20,
+    srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="refuse request bodies larger than this (HTTP 413; default 1 MiB)")
-    srv.add_argument("--max-num-seqs", type=int, default=64)
-    srv.add_argument("--max-num-batched-tokens", type=int, default=512)
-    srv.add_argument("--num-kv-blocks", type=int, default=None)
-    srv.add_argument("--block-size", type=int, default=16)
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    srv.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch", "transposed"])
+    add_engine_arguments(srv, SERVE_SETTINGS)
     srv.set_defaults(func=_serve)
 
     warm = sub.add_parser("warmup", help="convert and cache the model before a session; say how long it took")
-    warm.add_argument("--model", default="smollm2-135m-instruct")
+    warm.add_argument("--model", default=DEFAULT_MODEL)
     warm.add_argument("--max-tokens", type=int, default=16, help="length of the one test generation")
     warm.add_argument("--reconvert", action="store_true",
                       help="delete the cached conversion first (to time a first-time set-up)")
     warm.set_defaults(func=_warmup)
+
+    from minivllm.check import PIECES
+
+    check = sub.add_parser(
+        "check", help="run the engine's tests for one piece on your own class (build_it_yourself/)",
+        description="Run the engine's own tests for PIECE with your class in place of the "
+                    "engine's; exit status 0 only when all pass. Pieces: " +
+                    "; ".join(f"{name}: {p.writes}" for name, p in PIECES.items()))
+    check.add_argument("piece", choices=list(PIECES))
+    check.add_argument("spec", help="your class: 'path/to/file.py:Class' or 'module:Class', "
+                                    "e.g. build_it_yourself/block_pool.py:MyBlockPool")
+    check.add_argument("-k", dest="select", default=None, metavar="EXPR",
+                       help="only the checks whose names match EXPR (pytest -k), e.g. the one "
+                            "that failed")
+    check.set_defaults(func=_check)
     return parser
 
 

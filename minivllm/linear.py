@@ -22,14 +22,16 @@ as ``torch.backends.cudnn.benchmark`` and Triton's autotuner do
    weights come from memory as in a real step, through each candidate for a short slice
    of time, a few times over, each candidate going first in turn; the vocabulary
    projection, one huge matrix that only sees the sampling rows, is timed on its own;
-2. per row count, keep the fastest (:func:`choose_backends`): a :class:`LinearPlan`.
+2. keep one library, the fastest across the row counts, and switch to another only at
+   row counts where it is clearly faster (:func:`choose_backends`): a :class:`LinearPlan`.
    During a step every layer looks at the rows it was given and runs through the
-   library that won nearest that row count;
+   library chosen nearest that row count;
 3. store the plan on disk (``$MINIVLLM_CACHE/linear_plans.json``), keyed by what the
    answer depends on (:func:`plan_cache_key`: CPU, torch version, threads, model shapes,
-   dtype), so later starts pay nothing. The measurement takes about a second, and what
-   was measured and chosen goes to the ``minivllm`` logger. Delete the file to measure
-   again.
+   dtype), so later starts pay nothing. The measurement takes a second or two, and what
+   was measured and chosen goes to the ``minivllm`` logger. A measurement that another
+   program disturbed (:func:`noisy`) is taken again, and used but not cached if it stays
+   noisy. Delete the file to measure again.
 
 ``minivllm bench linear`` shows the libraries on your CPU; ``minivllm bench roofline``
 how close the engine gets to the machine's own limit.
@@ -56,6 +58,7 @@ import logging
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -287,11 +290,17 @@ def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
 Rates = dict[int, dict[str, list[float]]]
 """Row count -> backend -> FLOP/s samples."""
 
+NOISE = 0.25
+"""A measurement whose samples of one backend spread more than this (fastest over
+median) was disturbed by another program: it is measured again, and not cached if it
+stays that noisy."""
+
 
 def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequence[int],
-           backends: Sequence[str], rounds: int, slice_s: float) -> Rates:
-    """Each sample walks ``weights`` in order, continuing where the previous stopped,
-    for ``slice_s`` seconds (at least one product) or one pass, whichever ends first."""
+           backends: Sequence[str], rounds: int, slice_s: float, group: int = 1) -> Rates:
+    """Each sample walks ``weights`` in order, continuing where the previous stopped, for
+    at least ``slice_s`` seconds and a whole number of ``group``s (one decoder layer's
+    products), so that every sample holds the layer's real mix of shapes."""
     rates: Rates = {}
     cursor = 0
     for n in rows:
@@ -303,25 +312,33 @@ def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequen
         for r in range(rounds):
             k = r % len(backends)
             for name in backends[k:] + backends[:k]:  # each backend goes first in turn
-                fn, flops, t0 = FORWARD[name], 0, time.perf_counter()
-                for i in range(len(weights)):
-                    w, b = weights[(cursor + i) % len(weights)]
+                fn, flops, done, t0 = FORWARD[name], 0, 0, time.perf_counter()
+                while True:
+                    w, b = weights[(cursor + done) % len(weights)]
                     fn(inputs[w.shape[1]], w, b)
                     flops += 2 * n * w.numel()
-                    if time.perf_counter() - t0 >= slice_s:
+                    done += 1
+                    if done % group == 0 and (time.perf_counter() - t0 >= slice_s or done >= len(weights)):
                         break
-                cursor += i + 1
+                cursor += done
                 rates[n][name].append(flops / (time.perf_counter() - t0))
     return rates
 
 
+def _num_layers(model: nn.Module, num_linears: int) -> int:
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    return layers if layers and num_linears % layers == 0 else num_linears
+
+
 @torch.inference_mode()
 def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch", "onednn", "transposed"),
-                            budget_s: float = 0.9, rounds: int = 3, head_slice: int = 12288) -> dict[str, Rates]:
+                            budget_s: float = 1.2, rounds: int = 5, head_slice: int = 12288) -> dict[str, Rates]:
     """FLOP/s of each backend, ``rounds`` samples each: for the decoder's linear layers at
-    :data:`BUCKET_ROWS` (about ``budget_s`` seconds in all) and for the vocabulary
-    projection at :data:`HEAD_ROWS` (one product per sample), after a warm-up product
-    per weight shape (oneDNN compiles its kernels then).
+    :data:`BUCKET_ROWS` (about ``budget_s`` seconds in all; at least one whole decoder
+    layer per sample, which at 512 rows takes longer) and for the vocabulary projection
+    at :data:`HEAD_ROWS` (one product per sample), after a warm-up product per weight
+    shape (oneDNN compiles its kernels then).
 
     A sample of the decoder's layers walks them in model order, continuing where the
     previous sample stopped: the weights come from memory, as in a real step (the model
@@ -331,27 +348,44 @@ def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = [(m.weight, m.bias) for m in plain_linears(model) if m is not head]
     slice_s = budget_s / (len(BUCKET_ROWS) * len(backends) * rounds)
-    rates = {"layers": _rates(layers, BUCKET_ROWS, backends, rounds, slice_s) if layers else {}}
+    group = len(layers) // _num_layers(model, len(layers)) if layers else 1
+    rates = {"layers": _rates(layers, BUCKET_ROWS, backends, rounds, slice_s, group) if layers else {}}
     if type(head) is nn.Linear:
         part = [(head.weight[:head_slice], None if head.bias is None else head.bias[:head_slice])]
         rates["head"] = _rates(part, HEAD_ROWS, backends, rounds, 0.0)
     return rates
 
 
-def choose_backends(rates: Rates, margin: float = 0.02, default: str = "torch") -> LinearChoice:
-    """Per row count, the backend with the highest best rate (another program on the
-    machine can only slow a sample down, so each backend's fastest sample is its truest);
-    the ``default`` (the stock path) keeps a row count unless another beats it by more
-    than ``margin``, the size of a difference a short measurement cannot tell from noise."""
+def noisy(rates: dict[str, Rates], tolerance: float = NOISE) -> list[str]:
+    """Where a backend's fastest sample beats its median by more than ``tolerance``:
+    something else ran during the measurement (empty when it was quiet)."""
+    return [f"{group} {b} at {n} rows" for group, by_rows in rates.items() for n, r in by_rows.items()
+            for b, v in r.items() if max(v) > (1 + tolerance) * statistics.median(v)]
+
+
+def choose_backends(rates: Rates, margin: float = 0.05, stock: str = "torch") -> LinearChoice:
+    """One library unless another is clearly faster somewhere.
+
+    Each backend's rate at a row count is its fastest sample (another program can only
+    slow a sample down). The base library is the one fastest across all row counts (the
+    geometric mean of its rate relative to the best at each; the stock path wins ties
+    within ``margin``); at a row count another library replaces it only when faster by
+    more than ``margin``, the size of a difference a short measurement cannot tell from
+    noise. Switching libraries for small gains loses more than it wins in real steps,
+    where the layers' data is not laid out as in the measurement."""
     if not rates:
-        return LinearChoice((1,), (default,))
+        return LinearChoice((1,), (stock,))
     rows = sorted(rates)
+    top = {n: {b: max(v) for b, v in rates[n].items()} for n in rows}
+    names = list(top[rows[0]])
+    score = {b: math.prod(top[n][b] / max(top[n].values()) for n in rows) ** (1 / len(rows)) for b in names}
+    base = max(score, key=score.get)
+    if stock in score and score[base] <= score[stock] * (1 + margin):
+        base = stock
     chosen = []
     for n in rows:
-        top = {b: max(v) for b, v in rates[n].items()}
-        best = max(top, key=top.get)
-        keep = default in top and top[best] <= top[default] * (1 + margin)
-        chosen.append(default if keep else best)
+        best = max(top[n], key=top[n].get)
+        chosen.append(best if top[n][best] > top[n][base] * (1 + margin) else base)
     return LinearChoice(tuple(rows), tuple(chosen))
 
 
@@ -368,7 +402,7 @@ def _describe(rates: dict[str, Rates]) -> str:
 
 
 def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = None,
-                       budget_s: float = 0.9) -> LinearPlan:
+                       budget_s: float = 1.2) -> LinearPlan:
     """The plan for a resolved ``linear_backend`` (:func:`resolve_linear_backend`): a
     named library is taken as given; "auto" is looked up in the cache under ``cache_dir``
     (default ``$MINIVLLM_CACHE``), or measured and stored there."""
@@ -387,11 +421,20 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
         logger.info("linear_backend auto: %s (measured %s, cached in %s)", plan.name, entry["measured"], path)
         return plan
     t0 = time.perf_counter()
-    rates = measure_linear_backends(model, candidate_backends(param.device, param.dtype), budget_s=budget_s)
+    backends = candidate_backends(param.device, param.dtype)
+    rates = measure_linear_backends(model, backends, budget_s=budget_s)
+    if disturbed := noisy(rates):  # another program ran: once more, and keep the quieter
+        again = measure_linear_backends(model, backends, budget_s=budget_s)
+        rates, disturbed = min((rates, disturbed), (again, noisy(again)), key=lambda rd: len(rd[1]))
     seconds = time.perf_counter() - t0
     plan = LinearPlan(choose_backends(rates["layers"]), choose_backends(rates.get("head", {})))
-    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of 3): %s. Chose: %s. Cached in %s",
-                seconds, _describe(rates), plan.name, path)
+    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of each): %s. Chose: %s.",
+                seconds, _describe(rates), plan.name)
+    if disturbed:
+        logger.warning("linear_backend auto: the measurement was disturbed (samples spread more than "
+                       "%d%%: %s); using its plan for this run without caching it", NOISE * 100,
+                       ", ".join(disturbed[:4]) + (" ..." if len(disturbed) > 4 else ""))
+        return plan
     entry = {"key": key, "seconds": round(seconds, 3),
              **{g: {"rows": list(c.rows), "backends": list(c.backends)} for g, c in (("layers", plan.layers),
                                                                                      ("head", plan.head))},
@@ -404,6 +447,7 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(plans, indent=1))
         os.replace(tmp, path)
+        logger.info("linear_backend auto: plan cached in %s", path)
     except OSError as e:
         logger.warning("linear_backend auto: could not cache the plan in %s (%s); it is measured again next start",
                        path, e)

@@ -20,15 +20,16 @@ from collections.abc import Iterator, Sequence
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.chat_utils import apply_chat_template
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_bool
 from minivllm.metrics import Metric
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.outputs import RequestOutput
+from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
 
-Prompt = str | dict
+Prompt = str | dict | ProcessedPrompt
 Message = dict[str, object]
 
 
@@ -50,13 +51,17 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
+        attention_backend: str | type = "auto",
         linear_backend: str = "auto",
         dtype: str = "float32",
         device: str = "auto",
         seed: int = 0,
         max_trace_steps: int | None = None,
         log_stats_interval: float | None = 5.0,
+        scheduler_cls: str | type = "minivllm.core.scheduler:Scheduler",
+        kv_cache_manager_cls: str | type = "minivllm.core.kv_cache_manager:KVCacheManager",
+        block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
+        sampler_cls: str | type = "minivllm.sampler:Sampler",
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -82,6 +87,10 @@ class LLM:
             seed=seed,
             max_trace_steps=max_trace_steps,
             log_stats_interval=log_stats_interval,
+            scheduler_cls=scheduler_cls,
+            kv_cache_manager_cls=kv_cache_manager_cls,
+            block_pool_cls=block_pool_cls,
+            sampler_cls=sampler_cls,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)
@@ -110,7 +119,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
         check_bool("use_tqdm", use_tqdm)
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, ProcessedPrompt)):
             prompts = [prompts]
         elif not isinstance(prompts, Sequence):
             raise ValidationTypeError(
@@ -231,13 +240,12 @@ class LLM:
             conversations = list(messages)
         else:  # empty, or a mixture: let the checks say what is wrong with it
             conversations = [messages]
-        prompts = [
-            {"prompt_token_ids": self._chat_ids(c, add_generation_prompt)} for c in conversations
-        ]
+        processor = self.llm_engine.processor
+        prompts = [processor.process_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _chat_ids(self, conversation: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.get_tokenizer(), conversation, add_generation_prompt)
+        return self.llm_engine.processor.process_chat(conversation, add_generation_prompt).prompt_token_ids
 
     def stream(
         self, prompt: Prompt | list[Message], sampling_params: SamplingParams | None = None
@@ -251,7 +259,7 @@ class LLM:
         text it produced. Nothing is queued until the first piece is asked for.
         """
         if isinstance(prompt, list):
-            prompt = {"prompt_token_ids": self._chat_ids(prompt)}
+            prompt = self.llm_engine.processor.process_chat(prompt)
         rid = self._add(prompt, sampling_params)
         finished = False
         try:

@@ -1,10 +1,17 @@
 """Per-request timestamps and the latencies vLLM reports from them.
 
-Definitions follow vLLM: queue time is first scheduled minus arrival; time to first token
-(TTFT) is first token minus arrival; inter-token latencies (ITL) are the gaps between
-consecutive output tokens; time per output token (TPOT) is their mean; end-to-end latency
-is finish minus arrival. All times are ``time.perf_counter()`` seconds (or simulated
-seconds when the simulated runner drives the clock).
+Definitions follow vLLM: queue time is first scheduled minus arrival; prefill time is
+first token minus first scheduled; time to first token (TTFT) is first token minus
+arrival, so TTFT = queue time + prefill time, and a server analysis reads the two apart
+(a long TTFT from a long queue wants more capacity, one from a long prefill wants
+chunking or prefix caching). Inter-token latencies (ITL) are the gaps between
+consecutive output tokens; time per output token (TPOT) is their mean; decode time is
+last token minus first token; end-to-end latency is finish minus arrival. All times are
+``time.perf_counter()`` seconds (or simulated seconds when the simulated runner drives
+the clock).
+
+Percentiles everywhere in minivllm (figures, benchmarks, notebooks) come from
+:func:`percentile`, so a figure and the sentence beside it quote the same number.
 
 The second half of the module holds the engine-wide metrics (``LLM.get_metrics()``):
 counters, gauges and histograms named like vLLM's, and the periodic log line.
@@ -16,7 +23,23 @@ import bisect
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``values``, NaN when there are none.
+
+    Linear interpolation between the two nearest ranks (numpy's default method, the one
+    vLLM's benchmark scripts use), so the median of an even count is the mean of the two
+    middle values. One definition for every percentile minivllm reports.
+    """
+    if len(values) == 0:
+        return float("nan")
+    # Imported here: the scheduler imports this module, and it stays free of numpy and torch.
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 @dataclass
@@ -38,10 +61,26 @@ class RequestMetrics:
         return self.first_scheduled_time - self.arrival_time
 
     @property
+    def prefill_time(self) -> float | None:
+        """First token minus first scheduled: the part of TTFT spent computing the prompt
+        (and waiting in steps shared with others), after the queue."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
     def ttft(self) -> float | None:
+        """First token minus arrival: ``queue_time + prefill_time``."""
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """Last token minus first token: the time spent streaming the rest."""
+        if not self.token_times:
+            return None
+        return self.token_times[-1] - self.token_times[0]
 
     @property
     def itls(self) -> list[float]:
@@ -155,8 +194,9 @@ class EngineStats:
     request (vLLM splits this into IterationStats and a PrometheusStatLogger).
 
     Latencies are observed when they happen: TTFT when a request's first token comes
-    out, each ITL as its token comes out, queue time and end-to-end latency when the
-    request finishes. So a histogram is current while long requests are still running.
+    out, each ITL as its token comes out; queue, prefill and decode time and end-to-end
+    latency when the request finishes (as vLLM does). So the TTFT and ITL histograms are
+    current while long requests are still running.
     """
 
     def __init__(self) -> None:
@@ -168,6 +208,8 @@ class EngineStats:
         self.itl = _HistogramData(ITL_BUCKETS)
         self.e2e = _HistogramData(REQUEST_LATENCY_BUCKETS)
         self.queue_time = _HistogramData(REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = _HistogramData(REQUEST_LATENCY_BUCKETS)
+        self.decode_time = _HistogramData(REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = _HistogramData(ITERATION_TOKENS_BUCKETS)
 
     def record_step(self, num_tokens: int, num_preempted: int,
@@ -192,6 +234,10 @@ class EngineStats:
             self.e2e.observe(m.e2e_latency)
         if m.queue_time is not None:  # None for a request aborted while still waiting
             self.queue_time.observe(m.queue_time)
+        if m.prefill_time is not None:  # None for one aborted before its first token
+            self.prefill_time.observe(m.prefill_time)
+        if m.decode_time is not None:
+            self.decode_time.observe(m.decode_time)
 
     def get_metrics(self, sched: SchedulerStats) -> list[Metric]:
         p = "minivllm:"
@@ -210,6 +256,8 @@ class EngineStats:
             self.itl.to_metric(p + "inter_token_latency_seconds"),
             self.e2e.to_metric(p + "e2e_request_latency_seconds"),
             self.queue_time.to_metric(p + "request_queue_time_seconds"),
+            self.prefill_time.to_metric(p + "request_prefill_time_seconds"),
+            self.decode_time.to_metric(p + "request_decode_time_seconds"),
             self.iteration_tokens.to_metric(p + "iteration_tokens_total"),
         ]
 

@@ -19,10 +19,16 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
+from minivllm.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionBackend,
+    AttentionMetadata,
+    get_attn_backend,
+)
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
+from minivllm.request import Request
 from minivllm.sampler import Sampler
 
 
@@ -54,11 +60,12 @@ class ModelRunner:
         self,
         model: PreTrainedModel,
         kv_cache_manager: KVCacheManager,
-        attention_backend: str,
+        attention_backend: str | type[AttentionBackend],
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
         linear_plan: LinearPlan = STOCK_PLAN,
+        sampler_cls: type = Sampler,
     ) -> None:
         self.model = model
         self.device = device
@@ -77,9 +84,31 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
-        self.sampler = Sampler(seed)
+        self.sampler = sampler_cls(seed)
+        self.generators: dict[str, torch.Generator] = {}
+        """request_id -> the private generator of a request with a seed (vLLM keeps them in
+        its input batch). Made when the request first samples, dropped when it finishes
+        (:meth:`remove_requests`). A preempted request keeps its generator: when it is
+        recomputed and samples again, its draws continue where they stopped, so a seeded
+        request gives the same tokens with or without preemption."""
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[dict, list[int], list]:
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Forget what the runner keeps for these requests (they have finished)."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """The request's private generator, made at first sight; None without a seed (it
+        then draws from the sampler's shared one). Private generators keep a seeded
+        request's output independent of whatever else shares the batch."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = torch.Generator().manual_seed(seed)
+        return self.generators[request.request_id]
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, list[int], list]:
         """Pack the scheduled tokens into flat model inputs and attention metadata."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -90,7 +119,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         samplers = []
-        for s in sched.scheduled:
+        for s in scheduler_output.scheduled:
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             table = self.kv_cache_manager.get_block_ids(req.request_id)
@@ -126,8 +155,8 @@ class ModelRunner:
         return inputs, logits_indices, samplers
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inputs, logits_indices, requests = self.prepare_inputs(sched)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
         t0 = time.perf_counter()
         with planned_linear(self.linears):
             out = self.model(
@@ -139,7 +168,7 @@ class ModelRunner:
         tokens = self.sampler(
             logits,
             [r.sampling_params for r in requests],
-            [r.generator for r in requests],
+            [self._generator(r) for r in requests],
         )
         model_time = time.perf_counter() - t0
         return ModelRunnerOutput(

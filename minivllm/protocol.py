@@ -14,18 +14,26 @@ the constants in ``minivllm.sampling_params``, but checked by ``SamplingParams``
 a value the offline API refuses is refused over HTTP with the same message and ``param``.
 Chat messages are checked the same way by ``minivllm.chat_utils``.
 
+Errors have one shape, OpenAI's ``{"error": {"message", "type", "param", "code"}}``
+(:class:`ErrorResponse`): the server raises an :class:`APIError` wherever it refuses
+something, and the app answers it in that shape.
+
 In vLLM: ``vllm/entrypoints/openai/protocol.py``.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
 from minivllm.exceptions import ValidationError
 from minivllm.sampling_params import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+
+logger = logging.getLogger("minivllm")
 
 
 class APIModel(BaseModel):
@@ -184,6 +192,41 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class APIError(Exception):
+    """A refusal with its HTTP status, answered as an :class:`ErrorResponse`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def as_dict(self) -> dict:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.as_dict()}, status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def invalid_request(e: Exception, prompt_field: str = "prompt") -> APIError:
+    """A 400 for a validation error, ``param`` from the error itself. Problems with the
+    prompt are reported against the field that carried it (``messages`` for chat)."""
+    if isinstance(e, UnsupportedField):
+        return bad_request(str(e), e.field)
+    param = getattr(e, "param", None)
+    message = str(e)
+    if not isinstance(e, ValidationError):  # every check raises ValidationError; say so if not
+        logger.warning("a validation error without a field: %r", e)
+    if param == "prompt":
+        param = prompt_field
+        if not message.startswith(prompt_field):
+            message = f"{prompt_field}: {message}"
+    return bad_request(message, param)
 
 
 class Usage(BaseModel):

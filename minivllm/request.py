@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from minivllm.metrics import RequestMetrics
 from minivllm.sampling_params import SamplingParams
 
@@ -64,10 +62,8 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
-        # A private generator makes seeded sampling independent of batch neighbours.
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        # No tensors here, not even a seeded request's random generator: the model runner
+        # keeps that (ModelRunner.generators), so the scheduler's side imports no torch.
 
     @property
     def num_tokens(self) -> int:

@@ -54,21 +54,27 @@ class Sampler:
         """``logits`` is ``[num_requests, vocab]``; returns one token id per row, or the
         :class:`SamplingError` that row raised."""
         logits = logits.float()
-        tokens: list[int | SamplingError] = logits.argmax(dim=-1).tolist()
+        tokens: list[int | SamplingError] = list(self.greedy(logits))
         has_nan = logits.isnan().any(dim=-1).tolist()
         for i, p in enumerate(params):
             if has_nan[i]:
                 tokens[i] = SamplingError("the model produced NaN logits for this request")
             elif not p.greedy:
                 try:
-                    tokens[i] = self._sample(logits[i], p, generators[i] or self.generator)
+                    tokens[i] = self.sample(logits[i], p, generators[i] or self.generator)
                 except Exception as e:  # isolated to this request by design
                     tokens[i] = e if isinstance(e, SamplingError) else SamplingError(
                         f"sampling failed: {type(e).__name__}: {e}")
         return tokens
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """The most likely token of each row of ``[num_requests, vocab]`` logits; a tie
+        goes to the lowest token id (as in transformers)."""
+        return logits.argmax(dim=-1).tolist()
+
+    def sample(self, logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+        """One random token from one row of ``[vocab]`` logits: temperature, then top-k,
+        then top-p, then a draw with ``generator``."""
         # Divide in float64: a huge (finite) temperature overflows to inf in float32, and
         # -inf / inf is NaN. The result is then float32 again, like the logits.
         row = (logits.double() / p.temperature).float()

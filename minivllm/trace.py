@@ -15,8 +15,11 @@ from minivllm.metrics import RequestMetrics
 
 @dataclass
 class ScheduledChunk:
+    """What one request computed in one step: the trace's copy of the scheduler's
+    ``ScheduledRequest`` (same field names), kept after the step is over."""
+
     request_id: str
-    num_tokens: int
+    num_new_tokens: int
     num_computed_tokens: int
     """Tokens already cached before this step: the chunk covers the positions after it."""
     is_prefill: bool
@@ -46,15 +49,16 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled)
+        """Tokens computed in this step, all requests together."""
+        return sum(c.num_new_tokens for c in self.scheduled)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled if c.is_prefill)
+        return sum(c.num_new_tokens for c in self.scheduled if c.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled if not c.is_prefill)
+        return sum(c.num_new_tokens for c in self.scheduled if not c.is_prefill)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -77,6 +81,9 @@ class Trace:
     """Keep only the last ``max_steps`` steps (long simulations keep memory flat)."""
     steps: deque[StepRecord] = field(default_factory=deque)
     requests: dict[str, RequestMetrics] = field(default_factory=dict)
+    time_source: str | None = None
+    """None: times are wall-clock seconds of a real run. Otherwise what made them up,
+    e.g. "simulated (calibrated here, fitted on ...)": figures print it."""
 
     def __post_init__(self) -> None:
         self.steps = deque(self.steps, maxlen=self.max_steps)

@@ -13,3 +13,51 @@ if not torch.cuda.is_available():
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
+
+
+# -- the build-it-yourself track: which implementation the tests run against -------------
+# `minivllm check PIECE SPEC` (minivllm/check.py) runs the tests marked
+# @pytest.mark.checks(PIECE) with the learner's class given for that piece's config
+# field. The same works by hand, with pytest's full output:
+#   pytest tests/test_scheduler.py --piece scheduler --component scheduler_cls=my.py:MyScheduler
+# Without these options every test runs against the engine's own classes (loaded by
+# name through the same hook, minivllm.config.load_component).
+import pytest  # noqa: E402
+from helpers import Components  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# minivllm check selects this profile: one failure per property test, not an
+# ExceptionGroup of several, so the verdict's line is the assertion's own message.
+settings.register_profile("minivllm-check", report_multiple_bugs=False)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("minivllm", "build it yourself (minivllm check)")
+    group.addoption("--piece", default=None, metavar="PIECE",
+                    help="run only the tests marked @pytest.mark.checks(..., PIECE, ...)")
+    group.addoption("--component", action="append", default=[], dest="components",
+                    metavar="FIELD=SPEC",
+                    help="run the tests with this class for an EngineConfig component field, "
+                         "e.g. scheduler_cls=my_scheduler.py:MyScheduler (repeatable)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With --piece, keep a test when each of its `checks` marks names the piece: a
+    parametrized test may carry one on the test and one on each parameter, and
+    `checks()` naming no piece keeps that parameter out of every check."""
+    piece = config.getoption("piece")
+    if piece is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        marks = list(item.iter_markers("checks"))
+        (keep if marks and all(piece in m.args for m in marks) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def components(pytestconfig: pytest.Config) -> Components:
+    """The implementation under test: the engine's own classes, or those given."""
+    return Components(pytestconfig.getoption("components"))

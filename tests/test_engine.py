@@ -15,7 +15,15 @@ from minivllm.model_loader import TINY_ARCHS, make_tiny_model
 VOCAB = 512
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+PIECES = ("block_pool", "kv_cache_manager", "scheduler", "preemption", "prefix_cache", "attention",
+          "sampler")
+"""Every piece of the build-it-yourself track: `minivllm check` ends with the end-to-end
+tests below (marked `checks`), on the llama model, through the same hook."""
+
+
+@pytest.fixture(scope="module", params=[  # checks() with no piece: none runs this one
+    pytest.param(arch, marks=pytest.mark.checks(*(PIECES if arch == "llama" else ())))
+    for arch in TINY_ARCHS])
 def tiny(request):
     """A tiny model of each architecture, its 16-request workload and the HF reference."""
     model = make_tiny_model(request.param, vocab_size=VOCAB)
@@ -25,6 +33,12 @@ def tiny(request):
     return model, prompts, lengths, refs
 
 
+CHECKED_CONFIGS = {  # the configurations `minivllm check PIECE` runs, per piece
+    "ample": tuple(p for p in PIECES if p != "preemption"),  # nothing is preempted here
+    "preempting": ("block_pool", "kv_cache_manager", "scheduler", "preemption", "prefix_cache"),
+    "budget16": ("kv_cache_manager", "scheduler", "attention"),
+    "block1": ("block_pool", "kv_cache_manager", "prefix_cache", "attention"),
+}
 CONFIGS = {
     "ample": dict(),
     "preempting": dict(num_kv_blocks=24, max_num_batched_tokens=64),
@@ -37,10 +51,11 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_token_identical_to_transformers(tiny, name):
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.checks(*CHECKED_CONFIGS.get(name, ()))) for name in CONFIGS])
+def test_token_identical_to_transformers(tiny, name, components):
     model, prompts, lengths, refs = tiny
-    llm = LLM(model, **CONFIGS[name])
+    llm = LLM(model, **components.engine, **CONFIGS[name])
     assert run_engine(llm, prompts, lengths) == refs
     steps = list(llm.trace.steps)
     if name == "preempting":
@@ -56,9 +71,10 @@ def test_token_identical_to_transformers(tiny, name):
     assert all_blocks_free(llm)
 
 
-def test_requests_added_while_others_decode(tiny):
+@pytest.mark.checks("kv_cache_manager", "scheduler")
+def test_requests_added_while_others_decode(tiny, components):
     model, prompts, lengths, refs = tiny
-    llm = LLM(model, max_num_batched_tokens=64)
+    llm = LLM(model, max_num_batched_tokens=64, **components.engine)
     engine = llm.llm_engine
     results: dict[str, list[int]] = {}
     pending = list(range(len(prompts)))
@@ -102,24 +118,66 @@ def test_unknown_backend_is_rejected():
 
 # -- sampling ---------------------------------------------------------------------------
 
-def test_seeded_sampling_is_independent_of_the_batch():
+@pytest.mark.checks("sampler")
+def test_seeded_sampling_is_independent_of_the_batch(components):
     model = make_tiny_model("llama", vocab_size=VOCAB)
     prompt = {"prompt_token_ids": [5, 6, 7, 8]}
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=1234, ignore_eos=True)
-    alone = LLM(model).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    alone = LLM(model, **components.engine).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": [i, i + 1, i + 2]} for i in range(10, 20)]
     noise = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    outs = LLM(model, seed=99).generate(others[:5] + [prompt] + others[5:], [noise] * 5 + [params] + [noise] * 5,
-                                        use_tqdm=False)
+    outs = LLM(model, seed=99, **components.engine).generate(
+        others[:5] + [prompt] + others[5:], [noise] * 5 + [params] + [noise] * 5, use_tqdm=False)
     assert outs[5].outputs[0].token_ids == alone
     different_seed = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=12, seed=4321, ignore_eos=True)
-    assert LLM(model).generate(prompt, different_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+    again = LLM(model, **components.engine).generate(prompt, different_seed, use_tqdm=False)
+    assert again[0].outputs[0].token_ids != alone
 
 
-def test_top_k_one_is_greedy():
+def seeded_run(model, **config) -> tuple[LLM, list[list[int]]]:
+    """Twelve seeded random requests at once; their token ids."""
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11 + i] * (4 + i)} for i in range(12)]
+    params = [SamplingParams(temperature=0.9, top_k=40, max_tokens=24, seed=100 + i, ignore_eos=True)
+              for i in range(12)]
+    llm = LLM(model, **config)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.checks("preemption", "sampler")
+def test_seeded_sampling_is_unchanged_by_preemption(components):
+    """A preempted request keeps its generator: after the recompute its draws continue
+    where they stopped, so its tokens equal those of a run without preemption."""
+    model = make_tiny_model("llama", vocab_size=VOCAB)
+    _, ample = seeded_run(model, **components.engine)
+    llm, pressed = seeded_run(model, num_kv_blocks=12, max_num_batched_tokens=64, **components.engine)
+    assert sum(len(s.preempted) for s in llm.trace.steps) > 0, "the small cache should preempt"
+    assert pressed == ample
+
+
+def test_generators_of_finished_and_aborted_requests_are_released():
+    model = make_tiny_model("llama", vocab_size=VOCAB)
+    llm, _ = seeded_run(model, num_kv_blocks=12, max_num_batched_tokens=64)
+    runner = llm.llm_engine.model_runner
+    assert runner.generators == {}
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [1, 2, 3]},
+                           SamplingParams(temperature=1.0, max_tokens=50, seed=i, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert set(runner.generators) == {"r0", "r1", "r2"}
+    engine.abort_request(["r0", "r2"])
+    assert set(runner.generators) == {"r1"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert runner.generators == {} and all_blocks_free(llm)
+
+
+@pytest.mark.checks("sampler")
+def test_top_k_one_is_greedy(components):
     model = make_tiny_model("qwen2", vocab_size=VOCAB)
     prompt = [1, 2, 3, 4, 5]
-    out = LLM(model).generate({"prompt_token_ids": prompt},
+    out = LLM(model, **components.engine).generate({"prompt_token_ids": prompt},
                               SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True),
                               use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 10)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,3 +123,43 @@ def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
     (pkg / "sub" / "__init__.py").write_text("from .. import sim\n")
     cycle = find_cycle(import_graph({"pkg": pkg}))
     assert cycle is not None and set(cycle) == {"pkg.sim", "pkg.sub"}
+
+
+# The scheduler's side of the engine works on counts and block ids, never on tensors
+# (DESIGN: "the scheduler never touches tensors"); that holds at import level too.
+TENSOR_FREE = ("minivllm.core.scheduler", "minivllm.core.kv_cache_manager",
+               "minivllm.core.block_pool", "minivllm.request")
+
+
+def run_python(code: str, timeout: float) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, so ``sys.modules`` shows only what it imported."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_scheduler_side_imports_no_torch():
+    code = (
+        "import sys\n"
+        f"for name in {TENSOR_FREE!r}:\n"
+        "    __import__(name)\n"
+        "    heavy = sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules)\n"
+        "    assert not heavy, f'importing {name} imported {heavy}'\n"
+        "print('ok')\n"
+    )
+    done = run_python(code, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_package_names_still_import_lazily():
+    """``from minivllm import LLM`` (and the rest of ``__all__``) works, and the engine is
+    loaded only when one of them is asked for."""
+    code = (
+        "import sys, minivllm\n"
+        "assert 'torch' not in sys.modules\n"
+        "from minivllm import LLM, LLMEngine, EngineConfig, SamplingParams, RequestOutput, "
+        "CompletionOutput, viz\n"
+        "assert 'torch' in sys.modules and LLM.__module__ == 'minivllm.llm'\n"
+        "assert sorted(minivllm.__all__) == sorted(set(minivllm.__all__) & set(dir(minivllm)))\n"
+        "print('ok')\n"
+    )
+    done = run_python(code, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

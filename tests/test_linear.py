@@ -25,6 +25,7 @@ from minivllm.linear import (
     choose_backends,
     choose_linear_plan,
     measure_linear_backends,
+    noisy,
     onednn_available,
     onednn_linear,
     plain_linears,
@@ -121,19 +122,34 @@ def test_choice_buckets_by_nearest_measured_rows():
         LinearChoice((1,), ("mkl",))
 
 
-def test_choice_keeps_the_fastest_per_row_count():
+def test_choice_keeps_one_library_unless_another_is_clearly_faster():
     # Fake FLOP/s, three samples each: a CPU where oneDNN loses at few rows and wins at many.
     rates = {
         1: {"torch": [10, 11, 9], "onednn": [5, 4, 9], "transposed": [12, 13, 12]},
-        16: {"torch": [40, 41, 39], "onednn": [40.5, 41.6, 40.4], "transposed": [30, 30, 30]},  # within 2%: stock
+        16: {"torch": [40, 41, 39], "onednn": [40.5, 41.6, 40.4], "transposed": [30, 30, 30]},
         64: {"torch": [80, 81, 79], "onednn": [20, 91, 89], "transposed": [70, 70, 70]},  # 20: slowed by another program
         512: {"torch": [100, 100, 100], "onednn": [160, 150, 155], "transposed": [99, 99, 99]},
     }
-    assert choose_backends(rates) == LinearChoice((1, 16, 64, 512), ("transposed", "torch", "onednn", "onednn"))
-    assert choose_backends(rates, margin=0.0).backends == ("transposed", "onednn", "onednn", "onednn")
+    # oneDNN is the fastest across row counts; transposed beats it by 44% at one row.
+    assert choose_backends(rates) == LinearChoice((1, 16, 64, 512), ("transposed", "onednn", "onednn", "onednn"))
     flipped = {n: {"torch": r["onednn"], "onednn": r["torch"]} for n, r in rates.items()}
     assert choose_backends(flipped).backends == ("onednn", "torch", "torch", "torch")
     assert choose_backends({}) == LinearChoice((1,), ("torch",))  # nothing measured: the stock path
+    # Small wins here and there (3-4%, within the margin) do not make a patchwork.
+    close = {n: {"torch": [100.0], "onednn": [103.0 if n == 16 else 99.0], "transposed": [104.0 if n == 64 else 98.0]}
+             for n in (1, 16, 64, 512)}
+    assert choose_backends(close).backends == ("torch",) * 4
+    assert choose_backends(close, margin=0.0).backends == ("torch", "onednn", "transposed", "torch")
+    # A library a little faster everywhere, but within the margin overall: the stock path stays.
+    assert choose_backends({n: {"torch": [100.0], "onednn": [104.0]} for n in (1, 512)}).backends == ("torch", "torch")
+    assert choose_backends({n: {"torch": [100.0], "onednn": [110.0]} for n in (1, 512)}).backends == ("onednn", "onednn")
+
+
+def test_a_disturbed_measurement_is_recognised():
+    quiet = {"layers": {1: {"torch": [10.0, 9.8, 9.9], "onednn": [12.0, 11.5, 11.9]}}}
+    assert noisy(quiet) == []
+    busy = {"layers": {1: {"torch": [10.0, 4.0, 3.0], "onednn": [12.0, 11.5, 11.9]}}}
+    assert noisy(busy) == ["layers torch at 1 rows"]
 
 
 def test_cache_key_names_what_the_answer_depends_on(monkeypatch):
@@ -198,6 +214,27 @@ def test_auto_measures_once_then_reads_the_cache(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(torch, "__version__", "9.9.9")  # another torch build: measured again
     choose_linear_plan("auto", model, tmp_path)
     assert len(measured) == 2 and len(json.loads((tmp_path / PLAN_FILE).read_text())) == 2
+
+
+def test_a_disturbed_measurement_is_taken_again_and_not_cached(tmp_path, monkeypatch, caplog):
+    model = make_tiny_model("llama")
+    draws = []
+
+    def disturbed(m, backends, **kw):
+        rates = fake_rates("transposed", "onednn")
+        rates["layers"][512]["onednn"] = [3.0e9, 1.0e9, 1.0e9]  # another program ran
+        draws.append(1)
+        return rates
+
+    monkeypatch.setattr(linear_mod, "measure_linear_backends", disturbed)
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        plan = choose_linear_plan("auto", model, tmp_path)
+    assert len(draws) == 2 and plan.layers.backends[-1] == "onednn"  # measured twice, a plan still used
+    assert "disturbed" in caplog.text and not (tmp_path / PLAN_FILE).exists()
+    monkeypatch.setattr(linear_mod, "measure_linear_backends",
+                        lambda m, b, **kw: draws.append(1) or fake_rates("transposed", "onednn"))
+    choose_linear_plan("auto", model, tmp_path)  # a quiet measurement is cached
+    assert len(draws) == 3 and (tmp_path / PLAN_FILE).exists()
 
 
 def test_resolve_linear_backend():

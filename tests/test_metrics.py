@@ -46,6 +46,7 @@ def test_metric_names_and_types(tiny_model):
         assert kinds["minivllm:" + c] is Counter
     for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds",
               "iteration_tokens_total"):
         assert kinds["minivllm:" + h] is Histogram
     # A fresh engine: everything zero.
@@ -73,6 +74,10 @@ def test_counters_and_histograms_add_up(tiny_model):
         assert m.first_token_time == m.token_times[0]
         assert len(m.itls) == n - 1
         assert m.queue_time == pytest.approx(m.first_scheduled_time - m.arrival_time)
+        # TTFT splits into time in the queue and time computing the prompt.
+        assert m.prefill_time == pytest.approx(m.first_token_time - m.first_scheduled_time)
+        assert m.ttft == pytest.approx(m.queue_time + m.prefill_time)
+        assert m.decode_time == pytest.approx(m.token_times[-1] - m.token_times[0])
 
     ttft = by_name(metrics, "time_to_first_token_seconds")
     assert ttft.count == 4
@@ -84,13 +89,19 @@ def test_counters_and_histograms_add_up(tiny_model):
     assert e2e.count == 4 and e2e.sum == pytest.approx(sum(o.metrics.e2e_latency for o in outs))
     queue = by_name(metrics, "request_queue_time_seconds")
     assert queue.count == 4 and queue.sum == pytest.approx(sum(o.metrics.queue_time for o in outs))
+    prefill = by_name(metrics, "request_prefill_time_seconds")
+    assert prefill.count == 4
+    assert prefill.sum == pytest.approx(sum(o.metrics.prefill_time for o in outs))
+    assert queue.sum + prefill.sum == pytest.approx(ttft.sum)
+    decode = by_name(metrics, "request_decode_time_seconds")
+    assert decode.count == 4 and decode.sum == pytest.approx(sum(o.metrics.decode_time for o in outs))
 
     it = by_name(metrics, "iteration_tokens_total")
     steps = list(llm.trace.steps)
     assert it.count == len(steps)
     assert it.sum == sum(s.num_tokens for s in steps)
     assert it.buckets[16] == len(steps)  # the budget is 16: no step exceeds it
-    for h in (ttft, itl, e2e, queue, it):
+    for h in (ttft, itl, e2e, queue, prefill, decode, it):
         counts = list(h.buckets.values())
         assert counts == sorted(counts), "cumulative buckets never decrease"
         assert list(h.buckets)[-1] == math.inf and counts[-1] == h.count
@@ -118,8 +129,11 @@ def test_gauges_follow_the_engine_mid_run(tiny_model):
     metrics = llm.get_metrics()
     assert by_name(metrics, "kv_cache_usage_perc").value == 0
     assert by_name(metrics, "request_success", finished_reason="abort").value == 3
-    # "2" was aborted while waiting: it has no queue time to observe.
+    # "2" was aborted while waiting: it has no queue time to observe; "0" and "1" were
+    # aborted after their prompt step: a queue and a prefill time each, no decode time
+    # beyond their first token.
     assert by_name(metrics, "request_queue_time_seconds").count == 2
+    assert by_name(metrics, "request_prefill_time_seconds").count == 2
 
 
 def test_preemptions_match_the_trace(tiny_model):
@@ -178,6 +192,10 @@ def test_exact_latencies_and_log_line_with_a_manual_clock(tiny_model, caplog):
     e2e = by_name(metrics, "e2e_request_latency_seconds")
     assert e2e.sum == 20.0
     assert by_name(metrics, "request_queue_time_seconds").sum == 4.0
+    # Scheduled at t=2 and first token at the end of that step, on a clock that did not
+    # move during it: all of TTFT was queue; decode ran from t=2 to t=10.
+    assert by_name(metrics, "request_prefill_time_seconds").sum == 0.0
+    assert by_name(metrics, "request_decode_time_seconds").sum == 16.0
 
     lines = [r.message for r in caplog.records if "throughput" in r.message]
     assert lines == [

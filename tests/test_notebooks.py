@@ -1,17 +1,42 @@
 """Every notebook keeps the shape a learner relies on, and is stored executed.
 
-(Running them is nbval's job: `make test` passes `notebooks/` to pytest with --nbval-lax.)
+(Running them is nbval's job: `make test` passes `notebooks/` to pytest with --nbval-lax.
+Here: the structure of each lesson, that what the stored notebook shows is what a reader
+without a kernel can see, that the figures in figures/ are the ones the notebooks show,
+and that notebook 05 runs where Triton cannot be installed.)
 """
 
 from __future__ import annotations
 
+import ast
+import base64
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+ROOT = Path(__file__).parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+NBVAL_TAGS = {"nbval-check-output", "nbval-ignore-output", "nbval-skip", "raises-exception"}
+EXERCISE_TAGS = {"exercise", "answer", "solution", "self-check", "open-ended"}  # minivllm.exercises
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def source(cell: dict) -> str:
+    return "".join(cell["source"])
+
+
+def code_cells(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if c["cell_type"] == "code" and source(c).strip()]
 
 
 def test_there_are_notebooks():
@@ -20,21 +45,166 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_structure(path):
-    nb = json.loads(path.read_text())
-    markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    nb = load(path)
+    markdown = "\n".join(source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert re.search(r"^#\s+\S", markdown, re.M), "a title"
     assert re.search(r"what you will learn", markdown, re.I), "a 'What you will learn' section"
-    assert re.search(r"^#+\s*Exercises", markdown, re.M | re.I), "an Exercises section"
-    exercises = markdown[re.search(r"^#+\s*Exercises", markdown, re.M | re.I).end():]
-    assert len(re.findall(r"^\s*(?:\d+\.|[-*])\s+\S", exercises, re.M)) >= 3, "three or more exercises"
+    exercises_at = re.search(r"^#+\s*Exercises", markdown, re.M | re.I)
+    assert exercises_at, "an Exercises section"
+    exercises = markdown[exercises_at.end():]
+    assert len(re.findall(r"^###\s+Exercise\s+\d+:", exercises, re.M)) >= 3, "three or more exercises"
     assert re.search(r"^#+\s*In vLLM", markdown, re.M | re.I), "an 'In vLLM' section"
     assert re.search(r"^\|.*\|\s*$", markdown.split("In vLLM", 1)[-1], re.M), "the 'In vLLM' table"
-    code = [c for c in nb["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()]
+    code = code_cells(nb)
     assert code, "code cells"
     assert all(c.get("execution_count") is not None for c in code), "stored executed"
     counts = [c["execution_count"] for c in code]
     assert counts == sorted(counts), "executed top to bottom, in order"
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, "no error outputs"
-    sources = "\n".join("".join(c["source"]) for c in code)
+    sources = "\n".join(source(c) for c in code)
     assert "import minivllm" in sources or "from minivllm" in sources, "imports the package"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_recap_before_the_exercises(path):
+    """A short recap (what was shown, three to five points) closes the lesson, before the
+    exercises ask for more."""
+    markdown = "\n".join(source(c) for c in load(path)["cells"] if c["cell_type"] == "markdown")
+    recap = re.search(r"^#+\s*Recap\s*$", markdown, re.M | re.I)
+    exercises = re.search(r"^#+\s*Exercises", markdown, re.M | re.I)
+    assert recap, "a '## Recap' section"
+    assert recap.start() < exercises.start(), "the recap comes before the exercises"
+    body = markdown[recap.end():exercises.start()]
+    points = re.findall(r"^\s*(?:\d+\.|[-*])\s+\S", body, re.M)
+    assert 3 <= len(points) <= 5, f"three to five recap points, found {len(points)}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_replays_store_a_widget_and_a_picture(path):
+    """A replay cell must show its widget (a trailing `;` hides it, and the stored
+    notebook keeps nothing), the widget's state must be saved with the notebook, and a
+    static picture of the steps (viz.plot_steps) sits beside it for readers without a
+    kernel."""
+    nb = load(path)
+    code = code_cells(nb)
+    state = nb.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    for i, cell in enumerate(code):
+        if "viz.replay(" not in source(cell):
+            continue
+        views = [o["data"][WIDGET_VIEW] for o in cell.get("outputs", [])
+                 if WIDGET_VIEW in o.get("data", {})]
+        assert views, f"replay cell {i} stores no widget view:\n{source(cell)}"
+        assert all(v["model_id"] in state for v in views), "the widget's state is not saved"
+        beside = [cell] + code[max(0, i - 1):i]
+        assert any("viz.plot_steps(" in source(c) and any(
+            "image/png" in o.get("data", {}) for o in c.get("outputs", [])) for c in beside), (
+            f"replay cell {i} has no static picture of the steps (viz.plot_steps) beside it")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_test_markers_are_tags_not_source(path):
+    """nbval reads cell tags, so learners never read test markers in the code."""
+    for cell in load(path)["cells"]:
+        assert "NBVAL_" not in source(cell), f"an nbval comment in the source:\n{source(cell)}"
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        assert tags <= NBVAL_TAGS | EXERCISE_TAGS, tags
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_prose_lives_in_markdown(path):
+    """Narrative is markdown; code cells print numbers and assert claims. A sentence
+    assembled in an f-string would silently rewrite the lesson when a run comes out
+    the other way."""
+    for cell in code_cells(load(path)):
+        assert "Markdown(" not in source(cell), f"prose built in a code cell:\n{source(cell)}"
+
+
+def saved_names(code: str) -> list[str]:
+    """The names passed to ``viz.save_figure(FIGURE, NAME)`` in a cell's code (read with
+    ast, so FIGURE may be any expression, e.g. ``viz.plot_architecture()``)."""
+    names = []
+    for node in ast.walk(ast.parse(code)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "save_figure" and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            names.append(node.args[1].value)
+    return names
+
+
+def saved_figures() -> dict[str, tuple[Path, bytes | None]]:
+    """figures/<name>.png -> (notebook, the PNG its saving cell stores)."""
+    found = {}
+    for path in NOTEBOOKS:
+        for cell in code_cells(load(path)):
+            for name in saved_names(source(cell)):
+                name = name if name.endswith((".png", ".svg", ".pdf")) else name + ".png"
+                pngs = [o["data"]["image/png"] for o in cell.get("outputs", [])
+                        if "image/png" in o.get("data", {})]
+                found[name] = (path, base64.b64decode(pngs[-1]) if pngs else None)
+    return found
+
+
+def test_figures_are_the_pictures_the_notebooks_show():
+    """Every figure a notebook saves is committed, and is byte for byte the picture the
+    stored notebook shows (save_figure displays the file it wrote), so no figure in
+    figures/ is left over from another run. Every numbered figure has its notebook."""
+    found = saved_figures()
+    assert found
+    for name, (notebook, shown) in found.items():
+        file = ROOT / "figures" / name
+        assert file.exists(), f"{notebook.name} saves figures/{name}, which is not committed"
+        assert shown is not None, f"{notebook.name} does not show figures/{name} where it saves it"
+        assert file.read_bytes() == shown, (
+            f"figures/{name} is not the picture {notebook.name} stores: re-execute the notebook "
+            "(the test suite writes its figures elsewhere, so a test run cannot cause this)")
+    numbered = {p.name for p in (ROOT / "figures").glob("[0-9][0-9]_*")}
+    assert numbered <= set(found), f"figures no notebook writes: {sorted(numbered - set(found))}"
+
+
+# -- notebook 05 where Triton has no wheels (macOS, Windows) --------------------------------
+
+NO_TRITON = '''\
+# Loaded at interpreter start (it is first on PYTHONPATH): make `import triton` fail the
+# way it does where Triton publishes no wheels, and importlib.util.find_spec("triton")
+# answer None, as for a package that is not installed.
+import sys
+
+sys.modules["triton"] = None
+'''
+
+
+def test_notebook_05_runs_on_the_reference_path_without_triton(tmp_path):
+    """Notebook 05 top to bottom in a kernel that cannot import triton: it must not fail,
+    and must say that it ran the PyTorch reference instead of the kernels. Bounded: at
+    most two minutes per cell, five minutes in all (it takes well under one here)."""
+    blocker = tmp_path / "no_triton"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NO_TRITON)
+    spec = tmp_path / "jupyter" / "kernels" / "python3-no-triton"
+    spec.mkdir(parents=True)
+    pythonpath = os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (no Triton)",
+        "language": "python",
+        "env": {"PYTHONPATH": pythonpath, "MINIVLLM_FIGURES_DIR": str(tmp_path / "figures")},
+    }))
+    notebook = ROOT / "notebooks" / "05_paged_attention_triton.ipynb"
+    executed = tmp_path / "05_no_triton.ipynb"
+    env = {**os.environ, "JUPYTER_PATH": str(tmp_path / "jupyter")}
+    run = subprocess.run(
+        [sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute",
+         "--ExecutePreprocessor.kernel_name=python3-no-triton",
+         "--ExecutePreprocessor.timeout=120", "--output", str(executed), str(notebook)],
+        env=env, cwd=ROOT / "notebooks", capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    nb = load(executed)
+    text = "\n".join(
+        "".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", ""))
+        for c in code_cells(nb) for o in c.get("outputs", []))
+    assert "triton installed: False" in text, "the kernel could still import triton"
+    assert "PyTorch reference" in text, "the notebook does not say it ran the reference"
+    assert not [o for c in code_cells(nb) for o in c.get("outputs", [])
+                if o.get("output_type") == "error"]

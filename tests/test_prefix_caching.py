@@ -1,4 +1,8 @@
-"""Automatic prefix caching: same tokens as without it, exact hit counts, sane eviction."""
+"""Automatic prefix caching: same tokens as without it, exact hit counts, sane eviction.
+
+The KV cache manager and block pool come from ``components`` (tests/conftest.py): the
+engine's own, or a learner's under ``minivllm check`` (the ``checks`` marks say which).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ from hypothesis import strategies as st
 
 from minivllm import LLM
 from minivllm.core.block_pool import hash_block_tokens
-from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.model_loader import make_tiny_model
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -24,30 +27,32 @@ def model():
     return make_tiny_model("llama", vocab_size=VOCAB)
 
 
-def run_both(model, prompts, lengths, **kw):
-    on = LLM(model, enable_prefix_caching=True, **kw)
-    off = LLM(model, enable_prefix_caching=False, **kw)
+def run_both(model, components, prompts, lengths, **kw):
+    on = LLM(model, enable_prefix_caching=True, **components.engine, **kw)
+    off = LLM(model, enable_prefix_caching=False, **components.engine, **kw)
     a, b = run_engine(on, prompts, lengths), run_engine(off, prompts, lengths)
     assert all_blocks_free(on) and all_blocks_free(off)
     return on, a, b
 
 
-def test_shared_system_prompt(model):
+@pytest.mark.checks("kv_cache_manager", "prefix_cache")
+def test_shared_system_prompt(model, components):
     rng = random.Random(0)
     system = [rng.randrange(VOCAB) for _ in range(70)]
     prompts = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))] for _ in range(10)]
     lengths = [rng.randint(4, 12) for _ in prompts]
-    on, a, b = run_both(model, prompts, lengths, block_size=16)
+    on, a, b = run_both(model, components, prompts, lengths, block_size=16)
     assert a == b == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
     stats = on.llm_engine.kv_cache_manager.prefix_cache_stats
     assert stats.hits >= 9 * 64  # every request after the first reuses the 4 full system blocks
 
 
-def test_multi_turn_chat_resending_history(model):
+@pytest.mark.checks("prefix_cache")
+def test_multi_turn_chat_resending_history(model, components):
     rng = random.Random(1)
     history: list[int] = []
-    on = LLM(model, block_size=8)
-    off = LLM(model, block_size=8, enable_prefix_caching=False)
+    on = LLM(model, block_size=8, **components.engine)
+    off = LLM(model, block_size=8, enable_prefix_caching=False, **components.engine)
     hits = []
     for _turn in range(4):
         history = history + [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
@@ -61,28 +66,31 @@ def test_multi_turn_chat_resending_history(model):
     assert hits == sorted(hits)  # each turn finds more of its history cached
 
 
-def test_identical_prompts_together_and_all_but_last_token(model):
+@pytest.mark.checks("kv_cache_manager", "prefix_cache")
+def test_identical_prompts_together_and_all_but_last_token(model, components):
     base = list(range(3, 40))
     prompts = [base, base, base, base[:-1] + [1], base[:-1] + [2]]
-    on, a, b = run_both(model, prompts, [5] * 5, block_size=4, max_num_batched_tokens=64)
+    on, a, b = run_both(model, components, prompts, [5] * 5, block_size=4, max_num_batched_tokens=64)
     assert a == b
     assert a[0] == a[1] == a[2]
 
 
-def test_under_pressure_with_eviction_and_preemption(model):
+@pytest.mark.checks("block_pool", "kv_cache_manager", "preemption", "prefix_cache")
+def test_under_pressure_with_eviction_and_preemption(model, components):
     rng = random.Random(2)
     system = [rng.randrange(VOCAB) for _ in range(24)]
     prompts = [system + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(12)]
     lengths = [rng.randint(5, 25) for _ in prompts]
-    on, a, b = run_both(model, prompts, lengths, block_size=4, num_kv_blocks=30, max_num_batched_tokens=48)
+    on, a, b = run_both(model, components, prompts, lengths, block_size=4, num_kv_blocks=30, max_num_batched_tokens=48)
     assert a == b
     assert sum(len(s.preempted) for s in on.trace.steps) > 0
     stats = on.llm_engine.kv_cache_manager.prefix_cache_stats
     assert stats.hits > 0 and stats.preempted_queries > 0  # resumptions are counted apart
 
 
-def test_exact_hit_counts():
-    kv = KVCacheManager(num_blocks=20, block_size=16)
+@pytest.mark.checks("block_pool", "kv_cache_manager", "prefix_cache")
+def test_exact_hit_counts(components):
+    kv = components.kv_cache_manager(num_blocks=20, block_size=16)
     params = SamplingParams(max_tokens=4)
     prefix = list(range(100, 148))  # 48 tokens = 3 full blocks
     first = Request("a", prefix, params, 0.0)
@@ -113,8 +121,28 @@ def test_hash_is_a_chain_and_stable():
     assert a == hashlib.sha256(b"" + array("q", [1, 2, 3, 4]).tobytes()).digest()
 
 
-def test_eviction_is_least_recently_freed_and_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=2)
+@pytest.mark.checks("prefix_cache")
+def test_a_block_hits_only_after_the_same_prefix(components):
+    """Hashes are a chain: a block whose tokens equal a cached block's, but that follows
+    different tokens, is no hit (its K/V were computed in another context)."""
+    kv = components.kv_cache_manager(num_blocks=10, block_size=4)
+    params = SamplingParams(max_tokens=1)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    first = Request("a", x + y + [9], params, 0.0)
+    kv.get_computed_blocks(first)
+    kv.allocate_slots(first, first.num_tokens)
+    kv.free(first)  # blocks x and y stay cached
+    moved = Request("b", y + x + [9], params, 0.0)  # the same blocks, the other way round
+    assert kv.get_computed_blocks(moved)[1] == 0, "block y after x is not block y first"
+    same = Request("c", x + y + [10], params, 0.0)
+    assert kv.get_computed_blocks(same)[1] == 8, "the same two blocks in order are a hit"
+    changed = Request("d", x[:3] + [0] + y + [9], params, 0.0)  # one token differs in block x
+    assert kv.get_computed_blocks(changed)[1] == 0, "a block after a miss is no hit"
+
+
+@pytest.mark.checks("block_pool", "kv_cache_manager")
+def test_eviction_is_least_recently_freed_and_tail_first(components):
+    kv = components.kv_cache_manager(num_blocks=6, block_size=2)
     params = SamplingParams(max_tokens=1)
     r = Request("r", [1, 2, 3, 4, 5, 6], params, 0.0)  # 3 full blocks
     kv.get_computed_blocks(r)
@@ -143,8 +171,9 @@ def test_eviction_is_least_recently_freed_and_tail_first():
     kv.check_invariants()
 
 
-def test_shared_blocks_are_reference_counted(model):
-    llm = LLM(model, block_size=4)
+@pytest.mark.checks("block_pool", "kv_cache_manager", "prefix_cache")
+def test_shared_blocks_are_reference_counted(model, components):
+    llm = LLM(model, block_size=4, **components.engine)
     engine = llm.llm_engine
     prompt = {"prompt_token_ids": list(range(1, 18))}
     engine.add_request("a", prompt, greedy(3))
@@ -161,8 +190,9 @@ def test_shared_blocks_are_reference_counted(model):
     assert all(b.block_id in pool.free_block_queue for b in pool.cached_blocks.values())
 
 
-def test_reset_prefix_cache_refuses_while_in_use(model):
-    llm = LLM(model, block_size=4)
+@pytest.mark.checks("block_pool")
+def test_reset_prefix_cache_refuses_while_in_use(model, components):
+    llm = LLM(model, block_size=4, **components.engine)
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": list(range(1, 10))}, greedy(5))
     engine.step()
@@ -174,16 +204,17 @@ def test_reset_prefix_cache_refuses_while_in_use(model):
     assert not engine.kv_cache_manager.block_pool.cached_blocks
 
 
+@pytest.mark.checks("block_pool", "kv_cache_manager", "prefix_cache")
 @settings(max_examples=40, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4, 8]),
     num_blocks=st.integers(8, 40),
     shapes=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 12)), min_size=1, max_size=10),
 )
-def test_random_shared_prefix_workloads_keep_ref_counts_exact(block_size, num_blocks, shapes):
+def test_random_shared_prefix_workloads_keep_ref_counts_exact(components, block_size, num_blocks, shapes):
     """Admit requests built from 3 shared prefixes, free them in a shuffled order."""
     prefixes = [[1] * 16, [1] * 8 + [2] * 8, [3] * 16]
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = components.kv_cache_manager(num_blocks, block_size)
     params = SamplingParams(max_tokens=1)
     live = []
     for i, (p, extra) in enumerate(shapes):

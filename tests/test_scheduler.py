@@ -2,23 +2,27 @@
 
 A fake "runner" samples token 1 for every request that reaches the end of its known
 tokens, which is all the scheduler needs to see to move requests along.
+
+The parts are built from ``components`` (tests/conftest.py): the engine's own classes,
+or a learner's under ``minivllm check`` (the ``checks`` marks say for which pieces).
 """
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_manager import cdiv
 from minivllm.core.scheduler import Scheduler
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=1000, block_size=16, budget=1024, max_num_seqs=64, max_model_len=4096,
-                   chunked=True, caching=False) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len, chunked)
+def make_scheduler(components, num_blocks=1000, block_size=16, budget=1024, max_num_seqs=64,
+                   max_model_len=4096, chunked=True, caching=False) -> Scheduler:
+    kv = components.kv_cache_manager(num_blocks, block_size, enable_caching=caching)
+    return components.scheduler(kv, max_num_seqs, budget, max_model_len, chunked)
 
 
 def make_request(rid, prompt_len, max_tokens=8, first_token=0) -> Request:
@@ -44,8 +48,9 @@ def check_invariants(sched: Scheduler) -> None:
         assert r.request_id not in kv.req_to_blocks or not kv.req_to_blocks[r.request_id]
 
 
-def test_budget_split_three_long_prompts():
-    sched = make_scheduler(budget=1024)
+@pytest.mark.checks("kv_cache_manager", "scheduler")
+def test_budget_split_three_long_prompts(components):
+    sched = make_scheduler(components, budget=1024)
     for i in range(3):
         sched.add_request(make_request(i, 800))
     first = fake_step(sched)
@@ -61,8 +66,9 @@ def test_budget_split_three_long_prompts():
     ]
 
 
-def test_without_chunking_a_prompt_waits_for_a_whole_budget():
-    sched = make_scheduler(budget=1024, chunked=False)
+@pytest.mark.checks("kv_cache_manager", "scheduler")
+def test_without_chunking_a_prompt_waits_for_a_whole_budget(components):
+    sched = make_scheduler(components, budget=1024, chunked=False)
     for i in range(3):
         sched.add_request(make_request(i, 800))
     first = fake_step(sched)
@@ -72,8 +78,9 @@ def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     assert [(s.request.request_id, s.num_new_tokens) for s in second.scheduled] == [("0", 1), ("1", 800)]
 
 
-def test_max_num_seqs_is_never_exceeded():
-    sched = make_scheduler(max_num_seqs=3)
+@pytest.mark.checks("scheduler")
+def test_max_num_seqs_is_never_exceeded(components):
+    sched = make_scheduler(components, max_num_seqs=3)
     for i in range(10):
         sched.add_request(make_request(i, 5, max_tokens=4))
     while sched.has_unfinished_requests():
@@ -82,10 +89,11 @@ def test_max_num_seqs_is_never_exceeded():
         assert len(sched.running) <= 3
 
 
-def test_preemption_victim_is_the_most_recently_admitted():
+@pytest.mark.checks("block_pool", "kv_cache_manager", "scheduler", "preemption")
+def test_preemption_victim_is_the_most_recently_admitted(components):
     # 4 blocks of 4 tokens. Three 4-token prompts take 3 blocks; after one decode each
     # needs a second block, and only one is free.
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+    sched = make_scheduler(components, num_blocks=4, block_size=4, budget=64)
     for i in range(3):
         sched.add_request(make_request(i, 4, max_tokens=6))
     fake_step(sched)  # prefill all three, each samples a token
@@ -104,8 +112,9 @@ def test_preemption_victim_is_the_most_recently_admitted():
     assert victim.num_output_tokens == 6 and victim.status == RequestStatus.FINISHED_LENGTH
 
 
-def test_resumed_request_recomputes_prompt_and_outputs():
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=64)
+@pytest.mark.checks("kv_cache_manager", "scheduler", "preemption")
+def test_resumed_request_recomputes_prompt_and_outputs(components):
+    sched = make_scheduler(components, num_blocks=4, block_size=4, budget=64)
     for i in range(3):
         sched.add_request(make_request(i, 4, max_tokens=6))
     fake_step(sched)
@@ -119,6 +128,7 @@ def test_resumed_request_recomputes_prompt_and_outputs():
     assert resumed[0].num_new_tokens == 5
 
 
+@pytest.mark.checks("block_pool", "kv_cache_manager", "scheduler", "preemption", "prefix_cache")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
@@ -127,10 +137,10 @@ def test_resumed_request_recomputes_prompt_and_outputs():
     max_num_seqs=st.integers(1, 8),
     caching=st.booleans(),
 )
-def test_random_workloads_keep_invariants(data, block_size, budget, max_num_seqs, caching):
+def test_random_workloads_keep_invariants(components, data, block_size, budget, max_num_seqs, caching):
     max_model_len = 64
     num_blocks = data.draw(st.integers(cdiv(max_model_len, block_size), 3 * cdiv(max_model_len, block_size)))
-    sched = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len, caching=caching)
+    sched = make_scheduler(components, num_blocks, block_size, budget, max_num_seqs, max_model_len, caching=caching)
     n = data.draw(st.integers(1, 12))
     arrivals = sorted(data.draw(st.lists(st.integers(0, 20), min_size=n, max_size=n)))
     lengths = data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))

@@ -53,6 +53,25 @@ def test_fit_recovers_a_linear_cost():
     assert cm.meta["fit"]["r2"] == pytest.approx(1.0)
 
 
+def test_fit_never_returns_a_negative_cost():
+    # Step times that only a negative prompt-attention cost would fit exactly (attention
+    # making a step faster, which no real step does): the fit keeps every coefficient
+    # >= 0 and still explains the data as well as it can.
+    wrong = dict(zip(FEATURES, [0.02, 1e-3, 3e-3, 2e-6, -2e-4]))
+    trace = Trace(block_size=16, num_blocks=100, max_num_batched_tokens=512, max_num_seqs=64)
+    t = 0.0
+    for i in range(30):
+        chunks = [ScheduledChunk(f"p{i}", 20 + 9 * (i % 7), 0, True)]
+        chunks += [ScheduledChunk(f"d{i}-{j}", 1, 30 + j, False) for j in range(i % 5)]
+        seconds = CostModel(wrong).predict(chunks)
+        trace.record(StepRecord(i, t, t + seconds, seconds, chunks, 0, 100, {}, {}, num_running=1))
+        t += seconds
+    cm = fit_cost_model([trace])
+    assert min(cm.coefficients.values()) >= 0
+    assert cm.coefficients["prefill_attention"] == 0.0  # pinned at the bound it wanted to cross
+    assert cm.meta["fit"]["r2"] > 0.9
+
+
 def test_simulated_runner_advances_the_virtual_clock():
     engine = make_simulated_engine(COST, max_num_batched_tokens=64)
     assert isinstance(engine.model_runner, SimulatedModelRunner)
@@ -106,7 +125,7 @@ def test_same_scheduling_decisions_as_the_real_runner(num_blocks):
     replay_workload(sim, workload)
 
     def decisions(engine):
-        return [[(c.request_id, c.num_tokens, c.num_computed_tokens, c.is_prefill) for c in s.scheduled]
+        return [[(c.request_id, c.num_new_tokens, c.num_computed_tokens, c.is_prefill) for c in s.scheduled]
                 for s in engine.trace.steps]
 
     assert decisions(sim) == decisions(real)

@@ -3,13 +3,17 @@ scripted run whose schedule is worked out by hand below."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import matplotlib.pyplot as plt
-import numpy as np
 import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
 
 from minivllm import LLM, SamplingParams, viz
+from minivllm.metrics import percentile
 from minivllm.model_loader import make_tiny_model
 
 
@@ -53,7 +57,7 @@ EXPECTED = [
 
 
 def test_the_scripted_schedule(trace):
-    got = [[(c.request_id, c.num_tokens, c.is_prefill) for c in s.scheduled] for s in trace.steps]
+    got = [[(c.request_id, c.num_new_tokens, c.is_prefill) for c in s.scheduled] for s in trace.steps]
     assert got == EXPECTED
 
 
@@ -80,6 +84,33 @@ def test_batch_composition_bars_are_the_scheduled_tokens(trace):
     # The token budget line.
     budget = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
     assert len(budget) == 1 and list(budget[0].get_ydata()) == [8, 8]
+    # The requests panel: one unit box per scheduled request, so a one-token decode is
+    # as tall as a prompt chunk, stacked in the order the scheduler listed them.
+    seats = patches_by_gid(fig.axes[1], "seat:")
+    assert len(seats) == len(bars)
+    for step, chunks in enumerate(EXPECTED):
+        for i, (rid, _, is_prefill) in enumerate(chunks):
+            seat = seats[f"seat:{step}:{rid}"]
+            assert (seat.get_y(), seat.get_height()) == (i, 1)
+            assert bool(seat.get_hatch()) == is_prefill
+    # Every colour has a key: a legend entry per request.
+    keyed = {t.get_text() for a in fig.axes for leg in a.findobj(Legend) for t in leg.get_texts()}
+    assert {"0", "1"} <= keyed
+
+
+def test_batch_composition_keeps_decodes_visible(tiny_model):
+    # A 200-token prompt beside one-token decodes, under a budget of 2048: the token axis
+    # is scaled to the largest step (the budget is noted, not drawn), so a decode is at
+    # least 1/250 of the axis, and the requests panel gives it a full box.
+    trace = run(tiny_model, (200, 3), 4, max_num_batched_tokens=2048, num_kv_blocks=64)
+    fig = viz.plot_batch_composition(trace)
+    tok_ax, seat_ax = fig.axes[:2]
+    assert tok_ax.get_ylim()[1] < 250
+    assert not [line for line in tok_ax.get_lines() if line.get_linestyle() == "--"]
+    assert "2048" in tok_ax.get_title()
+    decodes = [p for g, p in patches_by_gid(seat_ax, "seat:").items() if not p.get_hatch()]
+    assert decodes and all(p.get_height() == 1 for p in decodes)
+    assert seat_ax.get_ylim()[1] <= 3  # two requests at most: boxes fill the panel
 
 
 def test_block_table_colours_exactly_the_owned_blocks(trace):
@@ -136,9 +167,10 @@ def test_request_timeline_one_row_per_request(trace):
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["0", "1"]
     spans = {c.get_gid(): c for c in ax.collections if c.get_gid()}
-    # Request 1 prefilled in steps 0 and 1 (two chunks) and decoded in steps 2 and 3.
-    assert len(spans["prefill:1"].get_paths()) == 2
-    assert len(spans["decode:1"].get_paths()) == 2
+    # Request 1 prefilled in steps 0 and 1 (two chunks) and decoded in steps 2 and 3:
+    # one span each, with no gap between consecutive steps.
+    assert len(spans["prefill:1"].get_paths()) == 1
+    assert len(spans["decode:1"].get_paths()) == 1
     assert len(spans["prefill:0"].get_paths()) == 1
     assert not any(g.startswith("preempted") for g in spans)
     ticks = {line.get_gid(): line for line in ax.get_lines() if line.get_gid()}
@@ -146,21 +178,54 @@ def test_request_timeline_one_row_per_request(trace):
     for rid, m in trace.requests.items():
         assert list(ticks[f"tokens:{rid}"].get_xdata()) == pytest.approx(
             [t - t0 for t in m.token_times])
-    # Phases recovered from the trace, in the engine's clock.
+    # Phases recovered from the trace, in the engine's clock: a step's span runs to the
+    # next step's start.
     s = viz.request_spans(trace)
-    assert s["1"]["decode"][0][0] == trace.steps[2].start
+    steps = trace.steps
+    assert s["1"]["prefill"] == [pytest.approx((steps[0].start, steps[2].start - steps[0].start))]
+    assert s["1"]["decode"][0][0] == steps[2].start
+    assert s["1"]["decode"][0][0] + s["1"]["decode"][0][1] == pytest.approx(steps[3].end)
+    # The legend explains every mark: phases, the token tick and the arrival dot.
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"waiting", "prefill", "decode", "preempted", "output token"} <= set(labels)
+    assert any(lbl.startswith("arrival") for lbl in labels)
+    arrivals = {line.get_gid() for line in ax.get_lines() if (line.get_gid() or "").startswith("arrival")}
+    assert arrivals == {"arrival:0", "arrival:1"}
 
 
-def test_latency_percentiles(trace):
+def test_latency_few_samples_are_dots_with_the_median(trace):
     fig = viz.plot_latency(trace)
     assert len(fig.axes) == 2
     ttft = [m.ttft * 1e3 for m in trace.requests.values()]
     itl = [x * 1e3 for m in trace.requests.values() for x in m.itls]
-    assert len(itl) == 2 * (3 - 1)
+    assert len(itl) == 2 * (3 - 1) < viz.FEW_SAMPLES
     lines = {line.get_gid(): line for a in fig.axes for line in a.get_lines() if line.get_gid()}
+    dots = {c.get_gid(): c for a in fig.axes for c in a.collections if c.get_gid()}
     for name, values in (("TTFT", ttft), ("ITL", itl)):
-        for q in (50, 90, 99):
-            assert lines[f"{name}:p{q}"].get_xdata()[0] == pytest.approx(np.percentile(values, q))
+        assert sorted(dots[f"{name}:samples"].get_offsets()[:, 0]) == pytest.approx(sorted(values))
+        assert lines[f"{name}:p50"].get_xdata()[0] == pytest.approx(percentile(values, 50))
+        assert f"{name}:p99" not in lines  # a p99 of four values is only the largest
+    assert not [p for a in fig.axes for p in a.patches]  # no histogram bars
+
+
+def test_latency_histogram_with_percentiles(tiny_model):
+    trace = run(tiny_model, (5, 4), 12)
+    itl = [x * 1e3 for m in trace.requests.values() for x in m.itls]
+    assert len(itl) == 22 >= viz.FEW_SAMPLES
+    fig = viz.plot_latency(trace)
+    lines = {line.get_gid(): line for line in fig.axes[1].get_lines() if line.get_gid()}
+    for q in (50, 90, 99):
+        assert lines[f"ITL:p{q}"].get_xdata()[0] == pytest.approx(percentile(itl, q))
+    assert sum(p.get_height() for p in fig.axes[1].patches) == len(itl)  # histogram counts
+
+
+def test_one_percentile_definition():
+    # Linear interpolation between ranks: the median of an even count is the mean of the
+    # two middle values (the upper-middle element, 4, is what a hand-rolled
+    # sorted(xs)[n // 2] would give).
+    assert percentile([1, 2, 4, 10], 50) == 3.0
+    assert percentile([1, 2, 4, 10], 100) == 10.0
+    assert math.isnan(percentile([], 50))
 
 
 def test_kv_usage_and_preemptions(tiny_model):
@@ -206,10 +271,73 @@ def test_plots_draw_into_a_given_axes(trace):
 def test_replay_without_widgets_draws_the_first_step(trace):
     fig = viz.replay(trace)
     assert isinstance(fig, Figure)
-    table, batch = fig.axes
+    table, batch, seats = fig.axes
     assert "after step 0" in table.get_title()
     assert len(patches_by_gid(batch, "step:")) == 7
-    assert "step 0:" in fig._suptitle.get_text()
+    assert len(patches_by_gid(seats, "seat:")) == 7
+    assert "step 0 (gold):" in fig._suptitle.get_text()
+
+
+def test_plot_steps_is_the_replay_as_one_picture(trace):
+    # first (also the fullest cache and the most requests); first finish (request 0, step 2),
+    # which is also the middle; last
+    assert viz.pick_steps(trace) == [0, 2, 3]
+    fig = viz.plot_steps(trace, steps=[0, 2])
+    tok_ax, seat_ax, pool_a, pool_c = fig.axes
+    assert len(patches_by_gid(tok_ax, "step:")) == 7
+    assert "A: KV block pool after step 0" in pool_a.get_title()
+    assert "B: KV block pool after step 2" in pool_c.get_title()
+    # each pool panel shows that step's owners
+    for ax, step in ((pool_a, 0), (pool_c, 2)):
+        owned = {b for t in trace.steps[step].block_tables.values() for b in t}
+        cells = patches_by_gid(ax, "block:")
+        coloured = {int(g.split(":")[1]) for g, p in cells.items()
+                    if to_rgba(p.get_facecolor()) != to_rgba(viz.FREE_COLOR)}
+        assert coloured == owned
+    with pytest.raises(IndexError):
+        viz.plot_steps(trace, steps=[9])
+
+
+def test_large_pools_are_drawn_up_to_the_blocks_used(tiny_model):
+    trace = run(tiny_model, (6, 3), 2, num_kv_blocks=1000)
+    fig = viz.plot_block_table(trace, step=0)
+    cells = patches_by_gid(fig.axes[0], "block:")
+    highest = max(b for s in trace.steps for t in s.block_tables.values() for b in t)
+    assert len(cells) == 16 * (highest // 16 + 1) < 1000
+    assert any("not drawn" in t.get_text() for t in fig.axes[0].texts)
+
+
+def test_architecture_names_modules_that_exist():
+    root = Path(viz.__file__).resolve().parents[2]  # the repository: viz is minivllm/viz/
+    fig = viz.plot_architecture()
+    ax = fig.axes[0]
+    boxes = patches_by_gid(ax, "box:")
+    assert {"box:engine", "box:scheduler", "box:kv", "box:runner", "box:attention", "box:sampler",
+            "box:detokenizer", "box:server", "box:llm"} == set(boxes)
+    named = [w for t in ax.texts for w in t.get_text().split() if w.endswith(".py") or w.endswith("/")]
+    assert len(named) >= 10
+    for path in named:
+        assert (root / path).exists(), path
+
+
+def test_flat_batch_draws_every_token_and_boundary():
+    # a decode of request "a" (position 17) and a 3-token chunk of request "b" (positions 4-6)
+    fig = viz.plot_flat_batch(
+        input_ids=[11, 12, 13, 14], positions=[17, 4, 5, 6], slot_mapping=[33, 68, 69, 70],
+        query_start_loc=[0, 1, 4], seq_lens=[18, 7], block_tables=[[5, 2], [4, 0]],
+        request_ids=["a", "b"], block_size=16, logits_indices=[0, 3])
+    ax = fig.axes[0]
+    for name in ("input_ids", "positions", "slot_mapping"):
+        assert len(patches_by_gid(ax, f"{name}:")) == 4
+    cells = patches_by_gid(ax, "slot_mapping:")
+    assert to_rgba(cells["slot_mapping:0"].get_facecolor())[:3] == to_rgba(viz.request_color("a"))[:3]
+    assert to_rgba(cells["slot_mapping:1"].get_facecolor())[:3] == to_rgba(viz.request_color("b"))[:3]
+    gids = {line.get_gid() for line in ax.get_lines()}
+    assert {"qsl:0", "qsl:1", "qsl:2", "logits:0", "logits:3"} <= gids
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "request a: decode" in texts and "request b: prefill chunk" in texts
+    with pytest.raises(ValueError, match="inconsistent"):
+        viz.plot_flat_batch([1], [0, 1], [0, 1], [0, 2], [2], [[0]], ["a"], 16)
 
 
 def test_request_colors_are_stable_and_distinct():
@@ -219,11 +347,19 @@ def test_request_colors_are_stable_and_distinct():
 
 
 def test_save_figure(trace, tmp_path, monkeypatch):
+    monkeypatch.delenv(viz.FIGURES_ENV, raising=False)
     assert viz.figures_dir().name == "figures"
-    monkeypatch.setattr(viz, "figures_dir", lambda: tmp_path)
-    path = viz.save_figure(viz.plot_kv_usage(trace), "kv")
-    assert path == tmp_path / "kv.png" and path.stat().st_size > 0
-    assert viz.save_figure(viz.plot_kv_usage(trace), "kv.svg").suffix == ".svg"
+    monkeypatch.setenv(viz.FIGURES_ENV, str(tmp_path / "elsewhere"))
+    assert viz.figures_dir() == tmp_path / "elsewhere"
+    monkeypatch.setattr(viz.saving, "figures_dir", lambda: tmp_path)
+    saved = viz.save_figure(viz.plot_kv_usage(trace), "kv")
+    assert saved == tmp_path / "kv.png" and Path(saved).stat().st_size > 0
+    # In Jupyter it shows the file it wrote, byte for byte.
+    assert saved._repr_png_() == (tmp_path / "kv.png").read_bytes()
+    # The same figure saved twice gives the same bytes (no date stamp).
+    again = viz.save_figure(viz.plot_kv_usage(trace), "kv2")
+    assert Path(again).read_bytes() == Path(saved).read_bytes()
+    assert viz.save_figure(viz.plot_kv_usage(trace), "kv.svg").path.suffix == ".svg"
 
 
 def test_empty_trace_explains(tiny_model):
@@ -237,7 +373,7 @@ def test_empty_trace_explains(tiny_model):
 def test_replay_with_a_widget_frontend(trace, monkeypatch, capsys):
     import ipywidgets as widgets
 
-    monkeypatch.setattr(viz, "_has_widget_frontend", lambda: True)
+    monkeypatch.setattr(viz.steps, "_has_widget_frontend", lambda: True)
     box = viz.replay(trace)
     assert isinstance(box, widgets.VBox)
     play, slider = box.children[0].children
@@ -254,3 +390,26 @@ def test_figures_stay_out_of_pyplot(trace):
     viz.plot_latency(trace)
     viz.replay(trace)
     assert plt.get_fignums() == []
+
+
+def test_ttft_breakdown_is_queue_plus_prefill(tiny_model):
+    # Two seats, three requests: the third queues until a seat frees.
+    trace = run(tiny_model, (5, 4, 6), 3, max_num_seqs=2)
+    fig = viz.plot_ttft_breakdown(trace)
+    ax = fig.axes[0]
+    bars = patches_by_gid(ax, "")
+    for rid, m in trace.requests.items():
+        queue, prefill = bars[f"queue:{rid}"], bars[f"prefill:{rid}"]
+        assert queue.get_width() == pytest.approx(m.queue_time * 1e3)
+        assert prefill.get_x() == pytest.approx(m.queue_time * 1e3)  # stacked after the queue
+        assert queue.get_width() + prefill.get_width() == pytest.approx(m.ttft * 1e3)
+    # "2" waited for a seat through the whole first step; "0" only for the engine to start it
+    assert trace.requests["2"].queue_time > trace.steps[0].duration > trace.requests["0"].queue_time
+
+
+def test_plot_steps_one_request_per_step(trace):
+    fig = viz.plot_steps(trace, steps=[0, 1], request_id=["1", "0"])
+    assert len(patches_by_gid(fig.axes[2], "logical:1:")) == len(trace.steps[0].block_tables["1"])
+    assert len(patches_by_gid(fig.axes[3], "logical:0:")) == len(trace.steps[1].block_tables["0"])
+    with pytest.raises(ValueError, match="2 request ids for 1 steps"):
+        viz.plot_steps(trace, steps=[0], request_id=["0", "1"])

@@ -137,6 +137,55 @@ def _on_include_read(app: Sphinx, relative_path, parent_docname: str, content: l
         content[0] = content[0].replace(f"]({file})", f"]({page})")
 
 
+# -- sphinx.ext.viewcode's "[docs]" links ------------------------------------------------
+#
+# viewcode remembers, per source module, the name of the *first* module that documented
+# something from it, and builds every "[docs]" link on that module's highlighted source
+# from it. Here one source module is documented under two names: minivllm.engine's
+# LLMEngine as ``minivllm.LLMEngine`` on the API page, its other functions as
+# ``minivllm.engine.resolve_device`` on the Modules page. The links for the second kind
+# would point at ``#minivllm.resolve_device``, which no page has.
+
+
+def _on_follow_imported(app: Sphinx, modname: str, attribute: str) -> str | None:
+    """Where a documented name's source lives: the module its object says, but a
+    module-level constant (a str has ``__module__ == "builtins"``) is in the module that
+    defines it, not in ``builtins``, whose source viewcode cannot show."""
+    obj = importlib.import_module(modname)
+    for part in attribute.split("."):
+        obj = getattr(obj, part, None)
+    source = getattr(obj, "__module__", None)
+    if isinstance(source, str) and source.split(".")[0] in ("minivllm", "kernels"):
+        return source
+    return modname
+
+
+_BACKLINK = re.compile(r'href="([^"#]*)#((?:minivllm|kernels)[\w.]*)"')
+
+
+def _fix_backlinks(app: Sphinx, pagename: str, templatename, context: dict, doctree) -> None:
+    """On a highlighted-source page, repoint each "[docs]" link whose anchor no page has
+    to the anchor of the same object under its own module's name."""
+    if not pagename.startswith("_modules/") or "body" not in context:
+        return
+    module = pagename.removeprefix("_modules/").replace("/", ".")
+    objects = app.env.get_domain("py").objects
+
+    def repoint(match: re.Match) -> str:
+        anchor = match.group(2)
+        if anchor in objects:
+            return match.group(0)
+        parts = anchor.split(".")
+        for cut in range(1, len(parts)):
+            entry = objects.get(module + "." + ".".join(parts[cut:]))
+            if entry is not None:
+                uri = app.builder.get_relative_uri(pagename, entry.docname)
+                return f'href="{uri}#{entry.node_id}"'
+        return match.group(0)
+
+    context["body"] = _BACKLINK.sub(repoint, context["body"])
+
+
 # -- {source} role -------------------------------------------------------------------
 
 
@@ -197,7 +246,8 @@ def package_modules(root: Path) -> list[str]:
 
 class ModulesDirective(SphinxDirective):
     """One section per module of the package, each an ``automodule`` with its members,
-    leaving out the public names that the API page documents."""
+    leaving out the public names that the API page documents, and the modules listed
+    in ``:skip:`` (with a skipped package's own modules)."""
 
     required_arguments = 1
     option_spec = {"skip": directives.unchanged}
@@ -208,8 +258,8 @@ class ModulesDirective(SphinxDirective):
         public = importlib.import_module(package).__all__
         lines: list[str] = []
         for name in package_modules(Path(self.env.srcdir)):
-            if name in skip:
-                continue
+            if name in skip or any(name.startswith(f"{s}.") for s in skip - {package}):
+                continue  # a skipped package's modules too (minivllm.viz.*: the API page)
             module = importlib.import_module(name)
             exported_here = [n for n in public
                              if getattr(getattr(module, n, None), "__module__", None) == name]
@@ -391,6 +441,8 @@ def setup(app: Sphinx) -> dict:
     app.connect("warn-missing-reference", _on_warn_missing_reference)
     app.connect("source-read", _on_source_read)
     app.connect("include-read", _on_include_read)
+    app.connect("viewcode-follow-imported", _on_follow_imported)
+    app.connect("html-page-context", _fix_backlinks)
     app.connect("env-merge-info", _merge_source_links)
     app.connect("build-finished", _check_source_links)
     app.add_role("source", source_role)

@@ -60,13 +60,6 @@ from minivllm.bench.tools import (
 from minivllm.replay import ReplayResult, replay_workload
 from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
 
-# Old names, kept only while notebook 09 imports them from here: ``replay`` and
-# ``plot_latency`` also name different functions in ``minivllm.viz`` (a trace's
-# replay widget, one run's latencies). Use ``replay_workload`` and
-# ``plot_latency_vs_rate``; remove these two lines once the notebook does.
-replay = replay_workload
-plot_latency = plot_latency_vs_rate
-
 __all__ = [
     "TOOLS", "TOOL_LABELS", "ToolResult", "ThroughputReport", "ReplayResult", "LatencyPoint",
     "ChunkedPrefillResult", "chunked_prefill_benchmark", "engine_overhead", "fit_simulator",

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 
 from minivllm.bench import latency, linear, memory, prefix_caching, roofline, simulate, throughput
-from minivllm.bench.common import FIGURES
+from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
-from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.config import add_engine_arguments
 
 MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "throughput": throughput.main,
@@ -24,6 +24,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "linear": linear.main,
     "roofline": roofline.main,
     "fit-simulator": simulate.fit_main,
+    "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
 }
 
@@ -31,7 +32,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``minivllm bench`` options (shared by ``python -m minivllm.bench``)."""
     parser.add_argument("mode", choices=list(MODES))
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_arguments(parser, ("model", *ENGINE_SETTINGS))
     parser.add_argument("--num-requests", type=int, default=None,
                         help="requests in the workload (default 32; simulate: 10000)")
     parser.add_argument("--seed", type=int, default=0)
@@ -40,10 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulated", action="store_true", help="latency: use the simulator, not the model")
     parser.add_argument("--no-chunked-prefill-check", action="store_true",
                         help="latency: skip the long-prompt-among-decodes comparison")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="memory: contiguous reservation")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="memory: the contiguous reservation per request (not an engine setting)")
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")

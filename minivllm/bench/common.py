@@ -1,21 +1,17 @@
-"""What the benchmark modes share: percentiles, the tokenizer alone, saving a figure."""
+"""What the benchmark modes share: the tokenizer alone, saving a figure, engine flags.
+(Percentiles are :func:`minivllm.metrics.percentile`, the one definition minivllm uses.)"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
 
 from minivllm.model_loader import DEFAULT_MODEL
 
+ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
+"""The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
+
 FIGURES = Path("figures")
-
-
-def percentile(xs: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile, NaN for no samples (a table cell, not an error)."""
-    return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
 def load_tokenizer(model: str = DEFAULT_MODEL):
@@ -37,6 +33,6 @@ def save_figure(fig, folder: str | Path, name: str) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
-    """The engine settings every mode takes from the command line."""
-    return dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs)
+    """The engine settings every mode takes from the command line, except the model,
+    which each mode loads its own way."""
+    return {name: getattr(args, name) for name in ENGINE_SETTINGS}

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.metrics import percentile
 from minivllm.outputs import RequestOutput
 from minivllm.replay import replay_workload
 from minivllm.simulator import make_simulated_engine
@@ -41,10 +43,12 @@ class LatencyPoint:
     e2e_p50: float
     e2e_p99: float
     simulated: bool = False
+    time_source: str | None = None
+    """Where a simulated point's times came from (``Trace.time_source``)."""
 
 
 def latency_point(outputs: Iterable[RequestOutput], rate: float, start: float, end: float,
-                  simulated: bool = False) -> LatencyPoint:
+                  simulated: bool = False, time_source: str | None = None) -> LatencyPoint:
     """Summarise the final outputs of one run at one request rate."""
     outs = list(outputs)
     ttft = [o.metrics.ttft for o in outs]
@@ -54,7 +58,8 @@ def latency_point(outputs: Iterable[RequestOutput], rate: float, start: float, e
     span = end - start
     return LatencyPoint(rate, len(outs), span, tokens / span if span else 0.0,
                         percentile(ttft, 50), percentile(ttft, 99), percentile(itl, 50),
-                        percentile(itl, 99), percentile(e2e, 50), percentile(e2e, 99), simulated)
+                        percentile(itl, 99), percentile(e2e, 50), percentile(e2e, 99), simulated,
+                        time_source)
 
 
 def latency_benchmark(
@@ -75,7 +80,8 @@ def latency_benchmark(
         workload = make_workload(tokenizer, n, seed, rate=rate, **workload_kwargs)
         res = replay_workload(engine, workload)
         simulated = hasattr(engine.clock, "advance")
-        points.append(latency_point(res.outputs.values(), rate, res.start, res.end, simulated))
+        points.append(latency_point(res.outputs.values(), rate, res.start, res.end, simulated,
+                                    engine.trace.time_source))
     return points
 
 
@@ -107,6 +113,9 @@ def plot_latency_vs_rate(points: Sequence[LatencyPoint], axes=None):
     axes[3].plot(rates, [p.throughput for p in points], "o-", color="tab:green")
     axes[3].set_title("output tokens / s", fontsize=9)
     axes[3].set_xlabel("request rate (req/s)")
+    sources = sorted({p.time_source for p in points if p.time_source})
+    if sources:
+        fig.suptitle("times: " + "; ".join(sources), fontsize=8, color="0.25")
     fig.tight_layout()
     return fig
 
@@ -123,6 +132,8 @@ class ChunkedPrefillResult:
     """When each of those gaps ended (seconds from the start)."""
     long_ttft: float
     long_arrival: float
+    time_source: str | None = None
+    """Where simulated times came from (``Trace.time_source``); None: the wall clock."""
 
     @property
     def max_itl(self) -> float:
@@ -190,7 +201,8 @@ def chunked_prefill_benchmark(
         order = np.argsort(times)
         lm = done["long"].metrics
         out.append(ChunkedPrefillResult(label, budget, chunked, [itls[i] for i in order],
-                                        [times[i] for i in order], lm.ttft, lm.arrival_time - t0))
+                                        [times[i] for i in order], lm.ttft, lm.arrival_time - t0,
+                                        engine.trace.time_source))
     return out
 
 
@@ -208,6 +220,9 @@ def plot_chunked_prefill(results: Sequence[ChunkedPrefillResult], ax=None):
     ax.set_xlabel("time (s); dotted: the long prompt arrives")
     ax.set_ylabel("inter-token latency (ms)")
     ax.legend(fontsize=8)
+    sources = sorted({r.time_source for r in results if r.time_source})
+    if sources:
+        ax.set_title("times: " + "; ".join(sources), fontsize=8, color="0.25")
     fig.tight_layout()
     return fig
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from minivllm.bench.common import engine_settings
 from minivllm.bench.tools import run_minivllm
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.workload import WorkloadRequest, chat_workload
 
 

@@ -89,8 +89,8 @@ class ModelCost:
         flops, nbytes = 0, self.weight_bytes
         for c in step.scheduled:
             prompt = trace.requests[c.request_id].num_prompt_tokens
-            samples = not c.is_prefill or c.num_computed_tokens + c.num_tokens >= prompt
-            f, b = self.chunk(c.num_computed_tokens, c.num_tokens, samples)
+            samples = not c.is_prefill or c.num_computed_tokens + c.num_new_tokens >= prompt
+            f, b = self.chunk(c.num_computed_tokens, c.num_new_tokens, samples)
             flops, nbytes = flops + f, nbytes + b
         return flops, nbytes
 

@@ -4,7 +4,8 @@
 shipped cost model, to show that the real scheduler and block manager keep every
 invariant over thousands of requests and that memory stays flat.
 ``minivllm bench fit-simulator`` measures the real engine and fits a new cost model
-(:mod:`minivllm.simulator_fit`). Notebook 09 explains both.
+(:mod:`minivllm.simulator_fit`); ``minivllm bench calibrate`` does a short fit for this
+machine and caches it, so later simulations use it. Notebook 09 explains them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import sys
 from pathlib import Path
 
 from minivllm import simulator
-from minivllm.bench.common import engine_settings, load_tokenizer, percentile, save_figure
+from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
+from minivllm.metrics import percentile
 from minivllm.simulator import SimulationResult, simulate
-from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
+from minivllm.simulator_fit import CalibrationError, calibrate, fit_simulator, plot_cost_model_fit
 from minivllm.workload import iter_workload
 
 
@@ -55,4 +57,24 @@ def fit_main(args: argparse.Namespace) -> int:
     print("held out:", cm.meta["held_out"])
     print(f"saved {out}")
     save_figure(plot_cost_model_fit(cm, res["traces"]), args.figures, "simulator_fit.png")
+    return 0
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    """``minivllm bench calibrate``: fit this machine's cost model, check it, cache it."""
+    try:
+        res = calibrate(args.model, n=args.num_requests or 24)
+    except CalibrationError as e:
+        print(f"calibration failed: {e}", file=sys.stderr)
+        return 1
+    cm = res["cost_model"]
+    held = cm.meta["held_out"]
+    print(f"this machine: {cm.meta['cpu']}, torch {cm.meta['torch']}, "
+          f"{cm.meta['torch_threads']} threads, linear backend {cm.meta['linear_backend']}")
+    print("coefficients (ms):", {k: round(v * 1e3, 4) for k, v in cm.coefficients.items()})
+    print(f"fit: {cm.meta['fit']['num_steps']} steps, R^2 {cm.meta['fit']['r2']:.3f}")
+    print(f"held out ({held['workload']}): measured {held['measured_wall_s']:.2f} s, simulated "
+          f"{held['predicted_s']:.2f} s, error {held['error']:+.1%}")
+    print(f"saved {res['path']} ({cm.meta['calibration_seconds']:.0f} s); simulations on this "
+          f"machine now use it")
     return 0

@@ -29,7 +29,8 @@ from minivllm.bench.tools import (
     run_hf_static,
     run_minivllm,
 )
-from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.trace import Trace
 from minivllm.workload import WorkloadRequest, chat_workload, make_workload, summarize

@@ -40,12 +40,16 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 block_pool_cls: type[BlockPool] = BlockPool) -> None:
+        """``block_pool_cls`` builds the pool, ``block_pool_cls(num_blocks, enable_caching)``:
+        the engine passes the one its config names (``block_pool_cls``, the
+        build-it-yourself hook), so a learner's pool runs under the engine's manager."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = block_pool_cls(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -58,8 +62,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def _update_block_hashes(self, request: Request) -> None:
-        """Extend the request's hash chain over every full block of its known tokens."""
+    # -- prefix caching: the hash chain and the hit rule (notebook 07) ----------------
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` over every full block of its known tokens: block
+        ``i``'s hash covers block ``i - 1``'s hash and its own tokens, so equal hashes
+        mean equal whole prefixes. A partial last block is not hashed (yet)."""
         bs = self.block_size
         hashes = request.block_hashes
         while (len(hashes) + 1) * bs <= request.num_tokens:
@@ -75,14 +82,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        self.update_block_hashes(request)
+        hits = self.find_longest_cache_hit(request)
         num_hit_tokens = len(hits) * self.block_size
         stats = self.prefix_cache_stats
         if request.metrics.num_preemptions:
@@ -93,6 +94,20 @@ class KVCacheManager:
             stats.hits += num_hit_tokens
         return hits, num_hit_tokens
 
+    def find_longest_cache_hit(self, request: Request) -> list[KVCacheBlock]:
+        """The hit rule: the cached blocks of the request's leading full blocks, from
+        the first one up to the first miss, and never the block holding its last token
+        (that token must run through the model to give logits to sample from)."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # -- slots ------------------------------------------------------------------------
     def allocate_slots(
         self,
         request: Request,
@@ -122,7 +137,7 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once ``num_tokens`` tokens are computed."""
-        self._update_block_hashes(request)
+        self.update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = min(num_tokens // self.block_size, len(request.block_hashes))

@@ -108,8 +108,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while kv.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
+                victim = self.preempt_victim()
                 out.preempted.append(victim.request_id)
                 if victim is request:
                     break
@@ -152,13 +151,22 @@ class Scheduler:
             s.request.num_computed_tokens += s.num_new_tokens
         return out
 
-    def _preempt(self, request: Request) -> None:
+    def preempt_victim(self) -> Request:
+        """Memory ran out: preempt the most recently admitted running request (the one
+        that has waited least, and whose eviction loses least work) and return it.
+
+        Preemption by *recompute*: its blocks are freed, it goes back to the front of
+        the waiting queue with ``num_computed_tokens = 0`` and keeps its output tokens,
+        so when it is admitted again its prompt and those tokens run as one prefill.
+        """
+        request = self.running.pop()
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        return request
 
     def rollback(self, scheduler_output: SchedulerOutput) -> None:
         """Undo a step whose forward pass failed, so the engine can carry on as if it had

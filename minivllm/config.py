@@ -1,0 +1,280 @@
+"""EngineConfig: every setting of the engine, in one place, with vLLM's names.
+
+Settings listed in several places drift apart, so each is written down once, here, with
+its default and a line of help, and everything else is made from that:
+
+* ``LLM(...)`` keeps explicit keyword arguments (a learner reads them in the signature);
+  a test checks that they are exactly these fields with these defaults.
+* The command line's engine flags (``minivllm serve``, ``generate``, ``bench``) are made
+  from the fields by :func:`add_engine_arguments`, help text included.
+* The KV cache is sized from the settings by one function, :func:`size_kv_cache`, which
+  the engine and the simulator both call.
+
+In vLLM: ``vllm/config/`` (``CacheConfig``, ``SchedulerConfig``, ...) and
+``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args`` makes the flags from the fields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import types
+import typing
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.attention import BACKENDS
+from minivllm.core.kv_cache_manager import cdiv
+from minivllm.exceptions import (
+    ValidationError,
+    ValidationTypeError,
+    check_bool,
+    check_float,
+    check_int,
+)
+from minivllm.linear import LINEAR_BACKENDS
+from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.sampling_params import SEED_MAX, SEED_MIN
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of :class:`EngineConfig`: its default, and the help its flag shows."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine, with vLLM's names."""
+
+    model: str = setting(DEFAULT_MODEL, "an embedded model name or a local Hugging Face folder")
+    block_size: int = setting(16, "tokens per KV-cache block")
+    num_kv_blocks: int | None = setting(None, "exact number of KV blocks; overrides kv_cache_memory")
+    kv_cache_memory: int | None = setting(
+        None, "bytes for the KV cache (default 1 GiB, or what max_num_seqs full-length "
+              "requests need if less)")
+    max_num_seqs: int = setting(64, "most requests running at once")
+    max_num_batched_tokens: int = setting(
+        512, "token budget of one step: prompt and decode tokens together")
+    max_model_len: int | None = setting(
+        None, "longest request, prompt plus output (default: what the model and the KV cache allow)")
+    enable_chunked_prefill: bool = setting(
+        True, "cut long prompts into chunks that share steps with decodes")
+    enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
+    attention_backend: str | type = setting(
+        "auto", "'torch' (the PyTorch reference), 'triton', 'auto' (Triton on CUDA, PyTorch "
+                "elsewhere), or an AttentionBackend class: a class, 'module:Class' or "
+                "'path/to/file.py:Class'")
+    linear_backend: str = setting(
+        "auto", "'auto': on a CPU, per row count the library that measured fastest here "
+                "(minivllm.linear; measured once, then cached); 'torch': nn.Linear as it is; "
+                "'onednn', 'transposed': one library for every product", LINEAR_BACKENDS)
+    dtype: str = setting("float32", "dtype of the weights and the KV cache", tuple(DTYPES))
+    device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
+    seed: int = setting(0, "seed of the generator that random requests without their own seed draw from")
+    max_trace_steps: int | None = setting(
+        None, "keep only this many most recent steps in the trace (default: all)")
+    log_stats_interval: float | None = setting(
+        5.0, "seconds between throughput/KV-usage log lines on the 'minivllm' logger (0: off)")
+    scheduler_cls: str | type = setting(
+        "minivllm.core.scheduler:Scheduler",
+        "the scheduler class: a class, 'module:Class' or 'path/to/file.py:Class' "
+        "(build your own and plug it in; vLLM: --scheduler-cls)")
+    kv_cache_manager_cls: str | type = setting(
+        "minivllm.core.kv_cache_manager:KVCacheManager",
+        "the KV cache manager class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    block_pool_cls: str | type = setting(
+        "minivllm.core.block_pool:BlockPool",
+        "the block pool class the KV cache manager builds: a class, 'module:Class' or "
+        "'path/to/file.py:Class'")
+    sampler_cls: str | type = setting(
+        "minivllm.sampler:Sampler",
+        "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every knob's type and range; raise ValidationError naming the first bad one.
+        (What depends on the model, such as max_model_len against the KV cache, is
+        checked by :func:`size_kv_cache` when the engine is built.)"""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValidationTypeError("model", f"model must be a non-empty string, got {self.model!r}",
+                                      self.model)
+        self.block_size = check_int("block_size", self.block_size, minimum=1)
+        self.num_kv_blocks = check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, optional=True)
+        self.kv_cache_memory = check_int("kv_cache_memory", self.kv_cache_memory, minimum=1,
+                                         optional=True)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens,
+                                                minimum=1)
+        # Two tokens at least: a prompt token and the one generated from it.
+        self.max_model_len = check_int("max_model_len", self.max_model_len, minimum=2, optional=True)
+        self.enable_chunked_prefill = check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        for f in dataclasses.fields(self):
+            allowed, value = f.metadata["choices"], getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ValidationError(f.name, f"{f.name} must be one of {allowed}, got {value!r}", value)
+        if not isinstance(self.device, str):
+            raise ValidationTypeError("device", f"device must be a string such as 'cpu', 'cuda' or "
+                                      f"'auto', got {self.device!r}", self.device)
+        self.seed = check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
+        self.max_trace_steps = check_int("max_trace_steps", self.max_trace_steps, minimum=1,
+                                         optional=True)
+        self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,
+                                              minimum=0, optional=True)
+        for name in COMPONENT_FIELDS:
+            spec = getattr(self, name)
+            if name == "attention_backend" and spec in BACKENDS:
+                continue
+            if not (isinstance(spec, str) and ":" in spec or callable(spec)):
+                names = f"one of {BACKENDS}, " if name == "attention_backend" else ""
+                raise ValidationTypeError(
+                    name, f"{name} must be {names}a class, 'module:Class' or "
+                          f"'path/to/file.py:Class', got {spec!r}", spec)
+
+
+COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "sampler_cls",
+                    "attention_backend")
+"""The engine's parts that a learner can replace with their own class (the
+build-it-yourself track, ``build_it_yourself/``; ``minivllm check`` runs the engine's
+tests on one). The defaults are names too, loaded by :func:`load_component` like a
+learner's ("auto", "torch" and "triton" name the attention backends' classes,
+:data:`minivllm.attention.BACKEND_CLASSES`), so every engine the test suite builds goes
+through the same hook."""
+
+
+def load_component(name: str, spec: str | type) -> Any:
+    """The class a component field names: given as is, or imported from 'module:Class'
+    or 'path/to/file.py:Class' (a file that is not on the import path: a learner's own).
+    Anything that cannot be found is a ValidationError naming the field."""
+    if not isinstance(spec, str):
+        return spec
+    where, _, attr = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser().resolve()
+            module_spec = importlib.util.spec_from_file_location(f"minivllm_user_{path.stem}", path)
+            if module_spec is None or not path.is_file():
+                raise FileNotFoundError(f"no file {path}")
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, attr)
+    except (ImportError, FileNotFoundError, AttributeError) as e:
+        raise ValidationError(name, f"{name} {spec!r} cannot be loaded: {e}", spec) from e
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when there is one, else the CPU; anything else must work here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)  # a CPU-only torch fails here for "cuda"
+    except (RuntimeError, AssertionError) as e:
+        raise ValidationError(
+            "device", f"device {name!r} cannot be used on this machine ({e}); "
+                      f"use 'auto' or 'cpu' (CUDA available: {torch.cuda.is_available()})", name
+        ) from None
+    return device
+
+
+# -- sizing the KV cache ------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCacheSize:
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    max_model_len: int
+    """The longest request (prompt plus output) the engine accepts."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.num_blocks * self.block_size
+
+
+def size_kv_cache(config: EngineConfig, bytes_per_token: int, model_max_len: int) -> KVCacheSize:
+    """How many KV blocks, and the longest request they must hold.
+
+    ``bytes_per_token`` is what one token costs in the cache (K and V, every layer;
+    ``model_runner.kv_cache_bytes_per_token``), ``model_max_len`` the model's
+    ``max_position_embeddings``. Without ``num_kv_blocks`` the cache gets
+    ``kv_cache_memory`` bytes, or by default 1 GiB but no more than ``max_num_seqs``
+    requests of full length can use. ``max_model_len`` defaults to what both the model
+    and the cache allow; one that the cache cannot hold is refused, as vLLM refuses it:
+    a request may grow that long (a chat request without max_tokens does), and one that
+    never fits could never run.
+    """
+    block_bytes = bytes_per_token * config.block_size
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        num_blocks = (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
+        if config.kv_cache_memory is None:  # don't reserve more than the engine can use
+            max_len = config.max_model_len or model_max_len
+            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
+    if num_blocks < 1:
+        raise ValidationError(
+            "kv_cache_memory",
+            f"the KV cache holds no block: one block of {config.block_size} tokens needs "
+            f"{block_bytes} bytes, kv_cache_memory is {config.kv_cache_memory}",
+            config.kv_cache_memory)
+    capacity = num_blocks * config.block_size
+    max_model_len = config.max_model_len or min(model_max_len, capacity)
+    if max_model_len > model_max_len:
+        raise ValidationError(
+            "max_model_len", f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max_len}", max_model_len)
+    if max_model_len > capacity:
+        raise ValidationError(
+            "max_model_len",
+            f"max_model_len {max_model_len} is more than the KV cache holds: "
+            f"{num_blocks} blocks of {config.block_size} tokens = {capacity} tokens. "
+            f"Give the cache more blocks (num_kv_blocks, kv_cache_memory) or lower max_model_len",
+            max_model_len)
+    return KVCacheSize(num_blocks, config.block_size, block_bytes, max_model_len)
+
+
+# -- the command line ---------------------------------------------------------------------
+def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """Add a flag for each named EngineConfig field: ``--max-num-seqs`` for
+    ``max_num_seqs``, its type, default, choices and help from the field; a bool
+    becomes a pair (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``)."""
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    hints = typing.get_type_hints(EngineConfig)
+    for name in names:
+        f = fields[name]
+        kind = _plain_type(hints[name])
+        flag = "--" + name.replace("_", "-")
+        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
+                                help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields that ``args`` carries, as keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if hasattr(args, f.name)}
+
+
+def _plain_type(hint: Any) -> type:
+    """``int | None`` -> ``int``: what argparse converts a flag's text with."""
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    return hint

@@ -1,0 +1,269 @@
+"""The endpoints' work: an OpenAI request in, the engine's outputs back as OpenAI JSON or
+server-sent events.
+
+:class:`OpenAIServing` holds what every endpoint needs (the async engine and the served
+model's name) and has one method per endpoint; ``minivllm.server`` registers them as
+FastAPI routes. Each method reads the same way: check the model name, make the
+``SamplingParams`` (the request model does: ``minivllm.protocol``), start the request on
+the :class:`~minivllm.async_engine.AsyncLLMEngine`, then either stream chunks (:func:`sse`)
+or wait for the last output and answer once. Every refusal is an
+:class:`~minivllm.protocol.APIError`, which the app turns into OpenAI's error shape.
+
+In vLLM: ``vllm/entrypoints/openai/serving_completion.py`` and ``serving_chat.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from minivllm.exceptions import ValidationError
+from minivllm.metrics import Counter
+from minivllm.outputs import RequestOutput
+from minivllm.prometheus import CONTENT_TYPE, render_metrics
+from minivllm.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    UnsupportedField,
+    invalid_request,
+)
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 http_counts: dict[tuple[str, str], int]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.http_counts = http_counts
+        """Responses by (handler, status), counted by ``middleware.CountResponses``."""
+
+    # -- what every generating endpoint does first -----------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", "not_found_error", "model", "model_not_found")
+
+    def sampling_params(self, body: SamplingRequest, default_max_tokens: int | None) -> SamplingParams:
+        try:
+            body.check_supported()
+            return body.sampling_params(default_max_tokens)
+        except (ValidationError, UnsupportedField) as e:
+            raise invalid_request(e) from None
+
+    async def start(self, prompt: Any, params: SamplingParams, prefix: str,
+                    prompt_field: str) -> RequestStream:
+        try:
+            return await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
+        except (ValueError, TypeError) as e:
+            raise invalid_request(e, prompt_field) from None
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # preparing this one request failed: a 500 of its own
+            logger.exception("preparing a request failed")
+            raise APIError(500, f"the request could not be prepared: {e!r}", "server_error",
+                           code="request_failed") from None
+
+    # -- the endpoints -------------------------------------------------------------------
+    async def list_models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        params = self.sampling_params(body, default_max_tokens=16)  # OpenAI's default here
+        try:
+            prompt = body.engine_prompt()
+        except ValidationError as e:
+            raise invalid_request(e) from None
+        stream = await self.start(prompt, params, "cmpl", "prompt")
+        head = {"id": stream.request_id, "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+
+        def choice(out: RequestOutput, text: str, final: bool) -> dict:
+            c = out.outputs[0]
+            return {"index": 0, "text": text, "logprobs": None,
+                    "finish_reason": c.finish_reason if final else None,
+                    "stop_reason": c.stop_reason if final else None}
+
+        if body.stream:
+            def chunk(out: RequestOutput) -> dict | None:
+                if not out.new_text and not out.finished:
+                    return None
+                return {**head, "choices": [choice(out, out.new_text, out.finished)]}
+            return sse(stream, chunk, head, body)
+        out = await unless_disconnected(request, last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        raise_if_failed(out)
+        result = {**head, "choices": [choice(out, out.outputs[0].text, True)], "usage": usage(out)}
+        if body.return_token_ids:
+            result["choices"][0]["token_ids"] = out.outputs[0].token_ids
+        return JSONResponse(result)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        params = self._chat_sampling_params(body)
+        messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
+        stream = await self.start(messages, params, "chatcmpl", "messages")
+        head = {"id": stream.request_id, "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return sse(stream, _chat_chunks(head), head, body)
+        out = await unless_disconnected(request, last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        raise_if_failed(out)
+        c = out.outputs[0]
+        message = {"role": "assistant", "content": c.text}
+        choice = {"index": 0, "message": message, "logprobs": None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+
+    def _chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        """As for a completion, with OpenAI's newer name ``max_completion_tokens`` for
+        ``max_tokens``: an error names the field the client sent."""
+        renamed = body.max_tokens is None and body.max_completion_tokens is not None
+        if renamed:
+            body.max_tokens = body.max_completion_tokens
+        try:
+            return self.sampling_params(body, default_max_tokens=None)  # as long as the model allows
+        except APIError as e:
+            if renamed and e.param == "max_tokens":
+                e.param, e.message = "max_completion_tokens", e.message.replace(
+                    "max_tokens", "max_completion_tokens", 1)
+            raise
+
+    async def health(self) -> JSONResponse:
+        if self.engine.error is not None:
+            return APIError(500, f"the engine failed: {self.engine.error!r}", "server_error").response()
+        return JSONResponse({"status": "ok", "num_requests_running": self.engine.num_running,
+                             "num_requests_waiting": self.engine.num_queued})
+
+    async def metrics(self) -> Response:
+        records = await self.engine.get_metrics() if self.engine.error is None else []
+        records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})
+                    for (h, s), n in sorted(self.http_counts.items())]
+        return Response(render_metrics(records), media_type=CONTENT_TYPE)
+
+
+def _chat_chunks(head: dict) -> Callable[[RequestOutput], dict | None]:
+    """The chunk maker of a chat stream: OpenAI's first chunk announces the role."""
+    first = True
+
+    def chunk(out: RequestOutput) -> dict | None:
+        nonlocal first
+        delta: dict[str, str] = {}
+        if first:
+            delta["role"] = "assistant"
+            first = False
+        if out.new_text or "role" in delta:
+            delta["content"] = out.new_text
+        if not delta and not out.finished:
+            return None
+        reason = out.outputs[0].finish_reason if out.finished else None
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                     "finish_reason": reason}]}
+
+    return chunk
+
+
+# -- helpers for the endpoints -------------------------------------------------------------
+def raise_if_failed(out: RequestOutput) -> None:
+    """A request that finished with finish_reason "error" is a 500 of its own."""
+    c = out.outputs[0]
+    if c.finish_reason == "error":
+        raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+
+
+def usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
+    request in the engine) and return None. A plain endpoint never notices a disconnect
+    on its own: only streaming responses listen for one."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], head: dict,
+        body: SamplingRequest) -> StreamingResponse:
+    """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
+
+    When the client disconnects, Starlette cancels this generator while it waits for the
+    next output; ``stream.close()`` in ``finally`` then aborts the request.
+    """
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    async def events() -> AsyncIterator[str]:
+        # The status line (200) is long gone when something fails: report it in-band, as
+        # a last event holding an error (the openai client raises it as an APIError).
+        try:
+            async for out in stream:
+                if out.outputs[0].finish_reason == "error":
+                    error = APIError(500, f"the request failed: {out.outputs[0].error}",
+                                     "server_error", code="request_failed")
+                    yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+                    break
+                data = chunk(out)
+                if data is not None:
+                    yield f"data: {json.dumps(data)}\n\n"
+                if out.finished and include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(out)})}\n\n"
+        except EngineDeadError as e:
+            error = APIError(503, str(e), "service_unavailable")
+            yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+        else:
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,99 @@
+"""Pictures of the engine, drawn from its step trace (every notebook uses them).
+
+Every function here takes a :class:`~minivllm.trace.Trace` (or plain numbers) and an
+optional matplotlib ``Axes``, and returns the ``Figure``. None of them runs the engine:
+a figure shows exactly what the trace recorded, so re-running a notebook cell redraws
+the same run instead of producing a new one. Figures made here have fixed sizes so they
+look the same in every notebook and in ``figures/``.
+
+A request keeps one colour in every picture (:func:`request_color`), so the request
+that fills blocks 3, 7 and 9 in the block table is the same colour as its bars in the
+batch composition and its row in the timeline; each figure carries the key.
+
+    from minivllm import viz
+    fig = viz.plot_batch_composition(llm.trace)
+    viz.save_figure(fig, "batch_composition")   # shows, in Jupyter, the file it wrote
+    viz.plot_steps(llm.trace)    # a few steps side by side: the static replay
+    viz.replay(llm.trace)        # step slider + play button in Jupyter
+
+One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
+``steps``, ``architecture``), with the shared colours and sizes in ``style`` and
+:func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
+is all a notebook needs.
+"""
+
+from minivllm.viz.architecture import plot_architecture
+from minivllm.viz.batch import plot_batch_composition, plot_flat_batch
+from minivllm.viz.kv_cache import (
+    block_owners,
+    memory_waste,
+    plot_block_table,
+    plot_kv_usage,
+    plot_memory_waste,
+)
+from minivllm.viz.latency import plot_latency, plot_ttft_breakdown
+from minivllm.viz.saving import FIGURES_ENV, SavedFigure, figures_dir, save_figure
+from minivllm.viz.steps import pick_steps, plot_steps, replay
+from minivllm.viz.style import (
+    ARCHITECTURE_SIZE,
+    BATCH_SIZE,
+    BLOCK_TABLE_SIZE,
+    DECODE_COLOR,
+    FEW_SAMPLES,
+    FLAT_BATCH_SIZE,
+    FREE_COLOR,
+    KV_USAGE_SIZE,
+    LATENCY_SIZE,
+    MAX_KEYED_REQUESTS,
+    MEMORY_WASTE_SIZE,
+    PREEMPTED_COLOR,
+    PREFILL_COLOR,
+    PREFILL_HATCH,
+    REPLAY_SIZE,
+    STEPS_SIZE,
+    TIMELINE_SIZE,
+    WAITING_COLOR,
+    request_color,
+)
+from minivllm.viz.timeline import plot_request_timeline, request_spans
+
+__all__ = [
+    "ARCHITECTURE_SIZE",
+    "BATCH_SIZE",
+    "BLOCK_TABLE_SIZE",
+    "DECODE_COLOR",
+    "FEW_SAMPLES",
+    "FIGURES_ENV",
+    "FLAT_BATCH_SIZE",
+    "FREE_COLOR",
+    "KV_USAGE_SIZE",
+    "LATENCY_SIZE",
+    "MAX_KEYED_REQUESTS",
+    "MEMORY_WASTE_SIZE",
+    "PREEMPTED_COLOR",
+    "PREFILL_COLOR",
+    "PREFILL_HATCH",
+    "REPLAY_SIZE",
+    "STEPS_SIZE",
+    "SavedFigure",
+    "TIMELINE_SIZE",
+    "WAITING_COLOR",
+    "block_owners",
+    "figures_dir",
+    "memory_waste",
+    "pick_steps",
+    "plot_architecture",
+    "plot_batch_composition",
+    "plot_block_table",
+    "plot_flat_batch",
+    "plot_kv_usage",
+    "plot_latency",
+    "plot_memory_waste",
+    "plot_request_timeline",
+    "plot_steps",
+    "plot_ttft_breakdown",
+    "replay",
+    "request_color",
+    "request_spans",
+    "save_figure",
+]

@@ -1,0 +1,115 @@
+"""Shared look of every picture: the colours of the phases, a colour per request and its
+key, the fixed figure sizes, and the small helpers every drawing module uses."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.legend import Legend
+from matplotlib.patches import Patch
+
+from minivllm.trace import StepRecord, Trace
+
+FREE_COLOR = "#eeeeee"
+"""Face colour of a free block (it may still hold a cached prefix: it is evictable)."""
+PREFILL_HATCH = "///"
+"""Prefill chunks are hatched; decodes are solid, in the same request colour."""
+WAITING_COLOR = "#c8c8c8"
+PREFILL_COLOR = "#f28e2b"
+DECODE_COLOR = "#4e79a7"
+PREEMPTED_COLOR = "#e15759"
+
+BLOCK_TABLE_SIZE = (10.0, 6.0)
+BATCH_SIZE = (10.0, 5.5)
+TIMELINE_SIZE = (10.0, 5.0)
+LATENCY_SIZE = (10.0, 4.0)
+KV_USAGE_SIZE = (10.0, 3.5)
+MEMORY_WASTE_SIZE = (7.0, 4.5)
+REPLAY_SIZE = (14.0, 6.0)
+STEPS_SIZE = (14.0, 9.0)
+ARCHITECTURE_SIZE = (12.0, 7.2)
+FLAT_BATCH_SIZE = (13.0, 6.0)
+MAX_KEYED_REQUESTS = 24
+"""Figures name every request's colour in a key up to this many requests."""
+FEW_SAMPLES = 20
+"""Below this many samples a latency figure shows the points, not a histogram."""
+
+_PALETTE = plt.get_cmap("tab20").colors
+
+
+def request_color(request_id: str) -> tuple[float, float, float]:
+    """A stable colour per request id: the same in every figure and every run.
+
+    Numeric ids (what ``LLM.generate`` assigns) walk the palette in order, so the first
+    twenty requests get twenty different colours; other ids are hashed (crc32, which,
+    unlike Python's ``hash`` of a string, does not change between processes).
+    """
+    key = int(request_id) if request_id.isdigit() else zlib.crc32(request_id.encode())
+    # Even entries of tab20 first (the strong shades), then the light ones.
+    return _PALETTE[(2 * key) % 20 + (key // 10) % 2]
+
+
+def _new_figure(size: tuple[float, float]) -> Figure:
+    """A Figure made through pyplot (which switches Jupyter's inline backend on, so the
+    Figure renders as a picture) and then closed there at once.
+
+    Closing takes it off pyplot's list of open figures, so Jupyter shows a returned
+    figure exactly once (as the cell's result) instead of a second time when pyplot
+    flushes its open figures, and replay's redraws are garbage collected rather than
+    piling up. The Figure itself still draws and saves normally.
+    """
+    fig = plt.figure(figsize=size, layout="constrained")
+    plt.close(fig)
+    return fig
+
+
+def _new_axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]:
+    if ax is not None:
+        return ax.figure, ax
+    fig = _new_figure(size)
+    return fig, fig.add_subplot()
+
+
+def _note_time_source(ax: Axes, source: str | None) -> None:
+    """Times that are not this machine's wall clock say where they came from (a
+    simulated run names its cost model, ``Trace.time_source``), in the axes' corner."""
+    if source:
+        ax.text(0.995, 0.015, f"times: {source}", transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, color="0.25",
+                bbox=dict(facecolor="white", alpha=0.8, linewidth=0, pad=1.5))
+
+
+def _get_step(trace: Trace, step: int) -> StepRecord:
+    if not trace.steps:
+        raise ValueError("the trace has no steps yet: run the engine (e.g. llm.generate) first")
+    try:
+        return trace.steps[step]
+    except IndexError:
+        raise IndexError(f"step {step} is out of range: the trace holds {len(trace.steps)} steps") from None
+
+
+def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False) -> None:
+    """The key from colour to request: beside the axes, or ``below`` it (a note instead
+    when there are too many requests to name)."""
+    ids = list(dict.fromkeys(request_ids))
+    if not ids:
+        return
+    if len(ids) > MAX_KEYED_REQUESTS:
+        ax.text(0.0 if below else 1.01, -0.02 if below else 1.0,
+                f"colour = request ({len(ids)} requests)", transform=ax.transAxes, fontsize=7,
+                va="top")
+        return
+    handles = [Patch(facecolor=request_color(r), label=r) for r in ids]
+    if below:
+        place = dict(loc="upper left", bbox_to_anchor=(0.0, 0.0), ncol=min(len(ids), 12))
+    else:
+        place = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(ids) <= 12 else 2)
+    # An extra legend artist (not ax.legend) so that the axes keeps its own legend slot
+    # for the style key (prefill / decode / budget) beside it.
+    ax.add_artist(Legend(ax, handles, [h.get_label() for h in handles], title="request (colour)",
+                         fontsize=7, title_fontsize=7, handlelength=1.0, borderaxespad=0.0,
+                         columnspacing=0.8, **place))

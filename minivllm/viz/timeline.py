@@ -1,0 +1,123 @@
+"""One row per request across the run: waiting, prefill, decode, preempted."""
+
+from __future__ import annotations
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from minivllm.trace import Trace
+from minivllm.viz.style import (
+    DECODE_COLOR,
+    PREEMPTED_COLOR,
+    PREFILL_COLOR,
+    TIMELINE_SIZE,
+    WAITING_COLOR,
+    _new_axes,
+    _note_time_source,
+    request_color,
+)
+
+
+def _step_intervals(trace: Trace) -> dict[int, tuple[float, float]]:
+    """Each step's span on the timeline: from its start to the next step's start (the
+    engine's bookkeeping between steps belongs to the step before), or to its own end."""
+    steps = list(trace.steps)
+    out = {}
+    for record, nxt in zip(steps, steps[1:] + [None]):
+        end = nxt.start if nxt is not None and nxt.start - record.end < 0.5 * record.duration + 1e-3 \
+            else record.end
+        out[record.step] = (record.start, end)
+    return out
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, duration) spans with touching ones joined."""
+    merged: list[list[float]] = []
+    for start, dur in sorted(spans):
+        if merged and start <= merged[-1][0] + merged[-1][1] + 1e-9:
+            merged[-1][1] = max(merged[-1][1], start + dur - merged[-1][0])
+        else:
+            merged.append([start, dur])
+    return [(a, b) for a, b in merged]
+
+
+def request_spans(trace: Trace) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """For each request, its (start, duration) spans by phase: "waiting", "prefill",
+    "decode" and "preempted". Times are the engine clock's, from the step records; a
+    request scheduled in consecutive steps gets one span across them (the engine's
+    work between two steps is part of serving it)."""
+    spans = {rid: {"waiting": [], "prefill": [], "decode": [], "preempted": []}
+             for rid in trace.requests}
+    interval = _step_intervals(trace)
+    preempted_at: dict[str, float] = {}
+    for record in trace.steps:
+        start, end = interval[record.step]
+        for c in record.scheduled:
+            if c.request_id not in spans:
+                continue
+            if c.request_id in preempted_at:
+                t = preempted_at.pop(c.request_id)
+                spans[c.request_id]["preempted"].append((t, record.start - t))
+            kind = "prefill" if c.is_prefill else "decode"
+            spans[c.request_id][kind].append((start, end - start))
+        for rid in record.preempted:
+            preempted_at[rid] = record.end
+    for rid, m in trace.requests.items():
+        if m.first_scheduled_time is not None:
+            spans[rid]["waiting"].append((m.arrival_time, m.first_scheduled_time - m.arrival_time))
+        if rid in preempted_at:  # preempted and never rescheduled (aborted, or still waiting)
+            end = m.finished_time if m.finished_time is not None else preempted_at[rid]
+            spans[rid]["preempted"].append((preempted_at[rid], end - preempted_at[rid]))
+    return {rid: {k: _merge(v) for k, v in kinds.items()} for rid, kinds in spans.items()}
+
+
+def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
+    """One row per request: waiting (grey), prefill (orange), decode (blue) and
+    preempted (red) spans, a tick at every output token, a dot at its arrival.
+
+    Read a request's latencies off its row: queue time is the grey bar, time to first
+    token runs from its arrival dot to the first tick, and the tick spacing is the
+    inter-token latency. A red span is time lost to preemption: the request's blocks were
+    taken, and it waits to recompute them (notebook 08). Time is seconds since the first
+    arrival. The arrival dot has the request's colour (the one it has in every figure).
+    """
+    if not trace.requests:
+        raise ValueError("the trace has no requests yet: run the engine first")
+    fig, ax = _new_axes(ax, TIMELINE_SIZE)
+    order = sorted(trace.requests, key=lambda r: trace.requests[r].arrival_time)
+    t0 = min(m.arrival_time for m in trace.requests.values())
+    spans = request_spans(trace)
+    colors = {"waiting": WAITING_COLOR, "prefill": PREFILL_COLOR, "decode": DECODE_COLOR,
+              "preempted": PREEMPTED_COLOR}
+    for row, rid in enumerate(order):
+        for kind, color in colors.items():
+            bars = [(s - t0, d) for s, d in spans[rid][kind]]
+            if bars:
+                coll = ax.broken_barh(bars, (row - 0.35, 0.7), facecolors=color, edgecolors="none",
+                                      hatch="xx" if kind == "preempted" else None)
+                coll.set_gid(f"{kind}:{rid}")
+        m = trace.requests[rid]
+        if m.token_times:
+            ax.plot([t - t0 for t in m.token_times], [row] * len(m.token_times), "|",
+                    color="black", markersize=9, gid=f"tokens:{rid}")
+        ax.plot([m.arrival_time - t0], [row], marker="o", color=request_color(rid), markersize=5,
+                markeredgecolor="black", markeredgewidth=0.5, gid=f"arrival:{rid}")
+    ax.set_yticks(range(len(order)), labels=order if len(order) <= 40 else None)
+    if len(order) > 40:
+        ax.set_yticks([])
+    ax.set_ylim(len(order) - 0.5, -0.5)  # first arrival on top
+    ax.set_xlabel("seconds since the first arrival")
+    ax.set_ylabel("request")
+    handles = [Patch(facecolor=c, label=k, hatch="xx" if k == "preempted" else None)
+               for k, c in colors.items()]
+    handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9,
+                          label="output token"))
+    handles.append(Line2D([], [], color="#999999", marker="o", linestyle="", markersize=5,
+                          markeredgecolor="black", markeredgewidth=0.5,
+                          label="arrival (request colour)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title("Request timeline: waiting, prefill, decode and preempted time", fontsize=10)
+    _note_time_source(ax, trace.time_source)
+    return fig
