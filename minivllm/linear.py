@@ -22,8 +22,8 @@ as ``torch.backends.cudnn.benchmark`` and Triton's autotuner do
    weights come from memory as in a real step, through each candidate for a short slice
    of time, a few times over, each candidate going first in turn; the vocabulary
    projection, one huge matrix that only sees the sampling rows, is timed on its own;
-2. keep one library, the fastest across the row counts, and switch to another only at
-   row counts where it is clearly faster (:func:`choose_backends`): a :class:`LinearPlan`.
+2. per row count, keep the library that was fastest against the others in the same
+   rounds (:func:`choose_backends`): a :class:`LinearPlan`.
    During a step every layer looks at the rows it was given and runs through the
    library chosen nearest that row count;
 3. store the plan on disk (``$MINIVLLM_CACHE/linear_plans.json``), keyed by what the
@@ -81,6 +81,8 @@ HEAD_ROWS = (1, 8, 64)
 """Row counts the vocabulary projection is measured at: it only ever sees the rows that
 sample, one per request in the step."""
 PLAN_FILE = "linear_plans.json"
+MEASUREMENT_METHOD = 2
+"""Part of the cache key: plans measured by an earlier way of measuring are not reused."""
 
 
 def onednn_available() -> bool:
@@ -269,7 +271,7 @@ def cpu_description() -> dict[str, str]:
 def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
     """Everything the measured answer depends on: the CPU, the torch build (its MKL and
     oneDNN), the threads it may use, the model (its name and the shapes of its linear
-    layers), the dtype, and what is measured (row counts, candidates)."""
+    layers), the dtype, and what is measured (row counts, candidates, the method)."""
     shapes: dict[str, int] = {}
     for m in plain_linears(model):
         key = f"{m.in_features}x{m.out_features}"
@@ -284,16 +286,17 @@ def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "rows": {"layers": list(BUCKET_ROWS), "head": list(HEAD_ROWS)},
         "candidates": list(candidate_backends(torch.device("cpu"), dtype)),
+        "method": MEASUREMENT_METHOD,
     }
 
 
 Rates = dict[int, dict[str, list[float]]]
 """Row count -> backend -> FLOP/s samples."""
 
-NOISE = 0.25
-"""A measurement whose samples of one backend spread more than this (fastest over
-median) was disturbed by another program: it is measured again, and not cached if it
-stays that noisy."""
+NOISE = 0.5
+"""A measurement in which one backend's fastest sample beats its median by more than
+this was disturbed by another program (a round-to-round spread of 10-30% is usual on a
+shared virtual machine): it is measured again, and not cached if it stays that noisy."""
 
 
 def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequence[int],
@@ -363,29 +366,23 @@ def noisy(rates: dict[str, Rates], tolerance: float = NOISE) -> list[str]:
             for b, v in r.items() if max(v) > (1 + tolerance) * statistics.median(v)]
 
 
-def choose_backends(rates: Rates, margin: float = 0.05, stock: str = "torch") -> LinearChoice:
-    """One library unless another is clearly faster somewhere.
-
-    Each backend's rate at a row count is its fastest sample (another program can only
-    slow a sample down). The base library is the one fastest across all row counts (the
-    geometric mean of its rate relative to the best at each; the stock path wins ties
-    within ``margin``); at a row count another library replaces it only when faster by
-    more than ``margin``, the size of a difference a short measurement cannot tell from
-    noise. Switching libraries for small gains loses more than it wins in real steps,
-    where the layers' data is not laid out as in the measurement."""
+def choose_backends(rates: Rates, margin: float = 0.02, stock: str = "torch") -> LinearChoice:
+    """Per row count, the backend that ran fastest *relative to the others in the same
+    round*: each round times every backend back to back, so its ratios to the stock
+    path cancel what slowed the whole round (another program, the CPU's clock), and the
+    median over the rounds ignores a round that one backend lost to a disturbance. The
+    stock path keeps a row count unless another beats it by more than ``margin``."""
     if not rates:
         return LinearChoice((1,), (stock,))
     rows = sorted(rates)
-    top = {n: {b: max(v) for b, v in rates[n].items()} for n in rows}
-    names = list(top[rows[0]])
-    score = {b: math.prod(top[n][b] / max(top[n].values()) for n in rows) ** (1 / len(rows)) for b in names}
-    base = max(score, key=score.get)
-    if stock in score and score[base] <= score[stock] * (1 + margin):
-        base = stock
     chosen = []
     for n in rows:
-        best = max(top[n], key=top[n].get)
-        chosen.append(best if top[n][best] > top[n][base] * (1 + margin) else base)
+        by_backend = rates[n]
+        ref = by_backend.get(stock) or next(iter(by_backend.values()))
+        ratio = {b: statistics.median(x / r for x, r in zip(v, ref)) for b, v in by_backend.items()}
+        best = max(ratio, key=ratio.get)
+        keep = stock in ratio and ratio[best] <= ratio[stock] * (1 + margin)
+        chosen.append(stock if keep else best)
     return LinearChoice(tuple(rows), tuple(chosen))
 
 
