@@ -336,7 +336,7 @@ def _num_layers(model: nn.Module, num_linears: int) -> int:
 
 @torch.inference_mode()
 def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch", "onednn", "transposed"),
-                            budget_s: float = 1.2, rounds: int = 5, head_slice: int = 12288) -> dict[str, Rates]:
+                            budget_s: float = 0.6, rounds: int = 4, head_slice: int = 8192) -> dict[str, Rates]:
     """FLOP/s of each backend, ``rounds`` samples each: for the decoder's linear layers at
     :data:`BUCKET_ROWS` (about ``budget_s`` seconds in all; at least one whole decoder
     layer per sample, which at 512 rows takes longer) and for the vocabulary projection
@@ -399,7 +399,7 @@ def _describe(rates: dict[str, Rates]) -> str:
 
 
 def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = None,
-                       budget_s: float = 1.2) -> LinearPlan:
+                       budget_s: float = 0.6) -> LinearPlan:
     """The plan for a resolved ``linear_backend`` (:func:`resolve_linear_backend`): a
     named library is taken as given; "auto" is looked up in the cache under ``cache_dir``
     (default ``$MINIVLLM_CACHE``), or measured and stored there."""

@@ -273,9 +273,11 @@ def plot_roofline(report: RooflineReport, ax=None):
     compute ceilings as lines, one point per kind of step."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.figure import Figure
 
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+    if ax is None:  # a Figure outside pyplot: nothing is left open or shown twice
+        fig = Figure(figsize=(7, 4.2), layout="constrained")
+        ax = fig.subplots()
     else:
         fig = ax.figure
     ridge = report.peak_flop_s / report.bandwidth
@@ -297,7 +299,6 @@ def plot_roofline(report: RooflineReport, ax=None):
     ax.set_ylim(top=report.peak_flop_s / 1e9 * 2)
     ax.set_title(f"Roofline of {report.cpu}, {report.threads} threads", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
     return fig
 
 
