@@ -35,7 +35,8 @@ def test_throughput_all_tools_greedy_identical(tiny):
     report = throughput_benchmark(w, tiny, None, TOOLS, static_batch_size=2,
                                   engine_kwargs=dict(max_num_batched_tokens=32, device="cpu"), min_running=2)
     assert [r.tool for r in report.results] == list(TOOLS)
-    assert report.matches == {"minivllm-torch-linear": 4, "hf-generate": 4, "hf-static": 4, "hf-cb": 4}
+    assert report.matches == {"minivllm-torch-linear": 4, "minivllm-onednn-linear": 4,
+                              "minivllm-transposed-linear": 4, "hf-generate": 4, "hf-static": 4, "hf-cb": 4}
     assert all(r.output_tokens == sum(x.max_tokens for x in w) for r in report.results)
     assert report.overhead["num_steps"] > 0 and 0 <= report.overhead["in_step"] < 1
     table = report.table()
@@ -49,7 +50,8 @@ def test_linear_benchmark_times_both_backends(tiny):
     assert [r["rows"] for r in rows] == [1, 8]
     decoder_linears = len(plain_linears(tiny)) - 1  # not the vocabulary projection
     assert all(r["layers"] == decoder_linears for r in rows)
-    assert all(r["torch s"] > 0 and r["onednn s"] > 0 for r in rows)
+    assert all(r["torch s"] > 0 and r["onednn s"] > 0 and r["transposed s"] > 0 for r in rows)
+    assert all(r["speed-up"] == r["torch s"] / r[f"{r['fastest']} s"] >= 1 for r in rows)
     assert all(type(m) is nn.Linear for m in plain_linears(tiny))  # swapped back afterwards
 
 

@@ -11,7 +11,7 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from minivllm.bench import latency, linear, memory, prefix_caching, serve, simulate, throughput
+from minivllm.bench import latency, linear, memory, prefix_caching, roofline, serve, simulate, throughput
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
@@ -22,6 +22,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "memory": memory.main,
     "prefix": prefix_caching.main,
     "linear": linear.main,
+    "roofline": roofline.main,
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
