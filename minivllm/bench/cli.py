@@ -11,7 +11,16 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from minivllm.bench import latency, linear, memory, prefix_caching, roofline, serve, simulate, throughput
+from minivllm.bench import (
+    latency,
+    linear,
+    memory,
+    prefix_caching,
+    roofline,
+    serve,
+    simulate,
+    throughput,
+)
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
