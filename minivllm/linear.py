@@ -293,17 +293,19 @@ def plan_cache_key(model: nn.Module, dtype: torch.dtype) -> dict:
 Rates = dict[int, dict[str, list[float]]]
 """Row count -> backend -> FLOP/s samples."""
 
-NOISE = 0.5
-"""A measurement in which one backend's fastest sample beats its median by more than
-this was disturbed by another program (a round-to-round spread of 10-30% is usual on a
-shared virtual machine): it is measured again, and not cached if it stays that noisy."""
+NOISE = 1.0
+"""A measurement in which one backend's fastest sample is more than twice its median was
+disturbed by another program (a round-to-round spread of 10-50% is usual on a shared
+virtual machine, and the paired comparison absorbs it): it is measured again, and not
+cached if it stays that noisy."""
 
 
 def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequence[int],
            backends: Sequence[str], rounds: int, slice_s: float, group: int = 1) -> Rates:
-    """Each sample walks ``weights`` in order, continuing where the previous stopped, for
-    at least ``slice_s`` seconds and a whole number of ``group``s (one decoder layer's
-    products), so that every sample holds the layer's real mix of shapes."""
+    """Each sample walks ``weights`` in order, continuing where the previous stopped
+    (round and round for a small model), for at least ``slice_s`` seconds and a whole
+    number of ``group``s (one decoder layer's products), so that every sample holds the
+    layer's real mix of shapes and lasts long enough for the clock to time it well."""
     rates: Rates = {}
     cursor = 0
     for n in rows:
@@ -321,7 +323,7 @@ def _rates(weights: list[tuple[torch.Tensor, torch.Tensor | None]], rows: Sequen
                     fn(inputs[w.shape[1]], w, b)
                     flops += 2 * n * w.numel()
                     done += 1
-                    if done % group == 0 and (time.perf_counter() - t0 >= slice_s or done >= len(weights)):
+                    if done % group == 0 and time.perf_counter() - t0 >= slice_s:
                         break
                 cursor += done
                 rates[n][name].append(flops / (time.perf_counter() - t0))
@@ -340,8 +342,8 @@ def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch"
     """FLOP/s of each backend, ``rounds`` samples each: for the decoder's linear layers at
     :data:`BUCKET_ROWS` (about ``budget_s`` seconds in all; at least one whole decoder
     layer per sample, which at 512 rows takes longer) and for the vocabulary projection
-    at :data:`HEAD_ROWS` (one product per sample), after a warm-up product per weight
-    shape (oneDNN compiles its kernels then).
+    at :data:`HEAD_ROWS`, after a warm-up product per weight shape (oneDNN compiles its
+    kernels then).
 
     A sample of the decoder's layers walks them in model order, continuing where the
     previous sample stopped: the weights come from memory, as in a real step (the model
@@ -355,7 +357,7 @@ def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch"
     rates = {"layers": _rates(layers, BUCKET_ROWS, backends, rounds, slice_s, group) if layers else {}}
     if type(head) is nn.Linear:
         part = [(head.weight[:head_slice], None if head.bias is None else head.bias[:head_slice])]
-        rates["head"] = _rates(part, HEAD_ROWS, backends, rounds, 0.0)
+        rates["head"] = _rates(part, HEAD_ROWS, backends, rounds, slice_s)
     return rates
 
 
@@ -428,8 +430,8 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
     logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of each): %s. Chose: %s.",
                 seconds, _describe(rates), plan.name)
     if disturbed:
-        logger.warning("linear_backend auto: the measurement was disturbed (samples spread more than "
-                       "%d%%: %s); using its plan for this run without caching it", NOISE * 100,
+        logger.warning("linear_backend auto: the measurement was disturbed (a sample %.1fx its median: "
+                       "%s); using its plan for this run without caching it", 1 + NOISE,
                        ", ".join(disturbed[:4]) + (" ..." if len(disturbed) > 4 else ""))
         return plan
     entry = {"key": key, "seconds": round(seconds, 3),
