@@ -216,11 +216,6 @@ def planned_linear(assigned: list[tuple[nn.Linear, LinearChoice]]) -> Iterator[N
             del m.linear_choice
 
 
-def onednn_linear(linears: list[nn.Linear]):
-    """Within the block, ``linears`` compute through oneDNN (:func:`planned_linear`)."""
-    return planned_linear([(m, LinearPlan.single("onednn").layers) for m in linears])
-
-
 def resolve_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """Check the setting before anything is loaded. "auto" stays "auto" on a CPU (measured
     once the model is loaded, :func:`choose_linear_plan`); elsewhere it is "torch"."""

@@ -27,7 +27,6 @@ from minivllm.linear import (
     measure_linear_backends,
     noisy,
     onednn_available,
-    onednn_linear,
     plain_linears,
     plan_cache_key,
     planned_linear,
@@ -89,7 +88,7 @@ def test_layers_are_plain_again_after_the_block_even_on_error(plan):
         assert all(type(m) is not nn.Linear for m in linears)
         raise RuntimeError("boom")
     assert all(type(m) is nn.Linear and "linear_choice" not in vars(m) for m in linears)
-    with onednn_linear(linears):  # the notebooks' shorthand for "all through oneDNN"
+    with planned_linear(LinearPlan.single("onednn").assign(model)):  # every layer through oneDNN
         assert all(type(m) is not nn.Linear for m in linears)
     assert all(type(m) is nn.Linear for m in linears)
 
