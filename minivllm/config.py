@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import types
 import typing
 from collections.abc import Iterable
@@ -97,6 +98,10 @@ class EngineConfig:
     sampler_cls: str | type = setting(
         "minivllm.sampler:Sampler",
         "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    speculative_config: dict | None = setting(
+        None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
+              '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+              '"prompt_lookup_min": 1} (minivllm.spec_decode)')
 
     def __post_init__(self) -> None:
         self.verify()
@@ -131,6 +136,8 @@ class EngineConfig:
                                          optional=True)
         self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,
                                               minimum=0, optional=True)
+        if self.speculative_config is not None:  # checked here, read as a SpeculativeConfig
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config).as_dict()
         for name in COMPONENT_FIELDS:
             spec = getattr(self, name)
             if name == "attention_backend" and spec in BACKENDS:
@@ -140,6 +147,56 @@ class EngineConfig:
                 raise ValidationTypeError(
                     name, f"{name} must be {names}a class, 'module:Class' or "
                           f"'path/to/file.py:Class', got {spec!r}", spec)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings, with vLLM's names (``vllm/config/speculative.py``).
+
+    Only the n-gram ("prompt lookup") method exists here: no draft model, the drafts are
+    copied from earlier in the request's own tokens (``minivllm.spec_decode.ngram_proposer``).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    """k: the most draft tokens proposed (and verified) per request per step."""
+    prompt_lookup_max: int = 4
+    """The longest suffix n-gram looked up."""
+    prompt_lookup_min: int = 1
+    """The shortest suffix n-gram that may match; below it nothing is proposed."""
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """From vLLM's dict form (or a SpeculativeConfig); every key checked, unknown ones
+        refused, so a typo is an error rather than a silently default setting."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValidationTypeError(
+                "speculative_config", f"speculative_config must be a dict such as "
+                f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}', value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError("speculative_config", f"speculative_config: unknown keys {unknown}; "
+                                  f"known: {sorted(known)}", value)
+        if "num_speculative_tokens" not in value:
+            raise ValidationError("speculative_config",
+                                  "speculative_config needs num_speculative_tokens", value)
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValidationError("speculative_config", f"speculative_config method must be 'ngram' "
+                                  f"(the only one minivllm has), got {method!r}", value)
+        k = check_int("num_speculative_tokens", value["num_speculative_tokens"], minimum=1)
+        hi = check_int("prompt_lookup_max", value.get("prompt_lookup_max", 4), minimum=1)
+        lo = check_int("prompt_lookup_min", value.get("prompt_lookup_min", 1), minimum=1)
+        if lo > hi:
+            raise ValidationError("prompt_lookup_min", f"prompt_lookup_min {lo} is more than "
+                                  f"prompt_lookup_max {hi}", lo)
+        return cls(method, k, hi, lo)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "sampler_cls",
@@ -261,6 +318,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) 
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_text)
+        elif kind is dict:  # as vLLM: --speculative-config '{"method": "ngram", ...}'
+            parser.add_argument(flag, type=json.loads, default=f.default, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
                                 help=help_text)

@@ -4,6 +4,7 @@ One call to :meth:`LLMEngine.step` is one iteration of continuous batching:
 
     schedule  ->  run the model on the packed batch  ->  append tokens, check stops
               ->  detokenize  ->  record the step in the trace  ->  RequestOutputs
+              (->  propose drafts for the next step, with speculative decoding on)
 
 Requests may be added or aborted between any two steps; that is what makes the batching
 *continuous*. Streaming is just calling ``step()`` and reading each output's
@@ -27,6 +28,7 @@ from minivllm.config import (
     DTYPES,
     EngineConfig,
     KVCacheSize,
+    SpeculativeConfig,
     load_component,
     resolve_device,
     size_kv_cache,
@@ -42,6 +44,8 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
 
 logger = logging.getLogger("minivllm")
@@ -146,6 +150,13 @@ class LLMEngine:
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
+        self.proposer: NgramProposer | None = None
+        """Speculative decoding's draft proposer, None when it is off."""
+        if config.speculative_config is not None:
+            spec = SpeculativeConfig.parse(config.speculative_config)
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                          spec.prompt_lookup_min)
+            self.stats.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
         self._stat_logger = (
             LoggingStatLogger(config.log_stats_interval, self.clock())
             if config.log_stats_interval else None
@@ -231,12 +242,15 @@ class LLMEngine:
         except BaseException:
             self._finished_outputs = outputs + self._finished_outputs
             raise
+        accepted = self._count_accepted(scheduler_output, result.sampled)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
         finished, got_token = self._process_outputs(updated, outputs)
         self.model_runner.remove_requests(finished)
-        self._record(scheduler_output, start, self.clock(), result.model_time, finished)
+        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted)
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
-                               got_token)
+                               [m for m, _ in got_token], [n for _, n in got_token])
+        if self.proposer is not None:
+            self._propose_drafts(updated)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
@@ -255,25 +269,54 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = None
             raise
 
+    # -- speculative decoding (minivllm.spec_decode) -------------------------------------
+    def _count_accepted(self, scheduler_output: SchedulerOutput,
+                        sampled: dict[str, int | list[int] | Exception]) -> dict[str, int]:
+        """Drafts accepted per request that had drafts this step (counted before stop
+        rules, as vLLM counts them), recorded in the metrics."""
+        accepted = {}
+        for s in scheduler_output.scheduled:
+            tokens = sampled.get(s.request.request_id)
+            if s.spec_token_ids and isinstance(tokens, list):
+                accepted[s.request.request_id] = len(tokens) - 1
+                self.stats.spec_decoding.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
+        return accepted
+
+    def _propose_drafts(self, updated: list[Request]) -> None:
+        """Drafts for each request that just got its tokens and goes on: the scheduler
+        will schedule them after its last token next step. Never more than could be
+        kept: one token of the target's own always follows the drafts, so at most
+        ``max_tokens - 1`` more, and no position past ``max_model_len``."""
+        for request in updated:
+            if request.is_finished:
+                continue
+            room = self.max_model_len - request.num_tokens
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+
     def _process_outputs(self, updated: list[Request], outputs: list[RequestOutput]
-                         ) -> tuple[list[str], list[RequestMetrics]]:
+                         ) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:
         """Timestamps, text and stop strings of the requests that got a token (or an
         error) this step; their outputs are appended to ``outputs``. Returns the ids
-        that finished and the metrics of those that got a token."""
+        that finished and, for those that got tokens, their metrics and how many tokens
+        (several only with speculative decoding; they share one timestamp)."""
         now = self.clock()
         finished: list[str] = []
-        got_token: list[RequestMetrics] = []
+        got_token: list[tuple[RequestMetrics, int]] = []
         for request in updated:
             m = request.metrics
             if request.status is not RequestStatus.FINISHED_ERROR:  # it got a token
-                got_token.append(m)
-                m.token_times.append(now)
-                if m.first_token_time is None:
-                    m.first_token_time = now
                 try:
                     self._process_text(request)
                 except Exception as e:  # this request's text alone: finish it, not the step
                     self._fail(request, f"detokenization failed: {type(e).__name__}: {e}")
+                num_new = request.num_output_tokens - len(m.token_times)
+                got_token.append((m, num_new))
+                m.token_times.extend([now] * num_new)
+                if m.first_token_time is None:
+                    m.first_token_time = now
             if request.is_finished:
                 m.finished_time = now
                 finished.append(request.request_id)
@@ -292,12 +335,24 @@ class LLMEngine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
 
     def _process_text(self, request: Request) -> None:
-        """Detokenize the new token; finish the request if it completed a stop string."""
+        """Detokenize the new tokens; finish the request if one completed a stop string.
+
+        Several tokens arrive at once with speculative decoding: a stop string completed
+        by one of them drops the tokens after it, so the output is exactly what one token
+        per step would have given."""
+        detokenizer = self._detokenizers[request.request_id]
+        new = request.output_token_ids[detokenizer.num_output_tokens:]
         stop_terminated = request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH
-        stop = self._detokenizers[request.request_id].update(request.output_token_ids[-1],
-                                                              stop_terminated)
-        if stop is None:
+        for i, token in enumerate(new):
+            stop = detokenizer.update(token, stop_terminated and i == len(new) - 1)
+            if stop is not None:
+                break
+        else:
             return
+        num_dropped = len(new) - 1 - i
+        if num_dropped:
+            del request.output_token_ids[-num_dropped:]
+            del request.all_token_ids[-num_dropped:]
         request.stop_reason = stop
         if request.is_finished:  # by length, this very token: its blocks are already free
             request.status = RequestStatus.FINISHED_STOPPED
@@ -330,7 +385,7 @@ class LLMEngine:
         )
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
-                finished: list[str]) -> None:
+                finished: list[str], accepted: dict[str, int]) -> None:
         kv = self.kv_cache_manager
         tables = {r.request_id: kv.get_block_ids(r.request_id) for r in self.scheduler.running}
         refs: dict[int, int] = {}
@@ -344,7 +399,8 @@ class LLMEngine:
                 end=end,
                 model_time=model_time,
                 scheduled=[
-                    ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill)
+                    ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill,
+                                   len(s.spec_token_ids), accepted.get(s.request.request_id, 0))
                     for s in scheduler_output.scheduled
                 ],
                 num_free_blocks=kv.block_pool.get_num_free_blocks(),

@@ -62,6 +62,7 @@ class LLM:
         kv_cache_manager_cls: str | type = "minivllm.core.kv_cache_manager:KVCacheManager",
         block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
         sampler_cls: str | type = "minivllm.sampler:Sampler",
+        speculative_config: dict | None = None,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -91,6 +92,7 @@ class LLM:
             kv_cache_manager_cls=kv_cache_manager_cls,
             block_pool_cls=block_pool_cls,
             sampler_cls=sampler_cls,
+            speculative_config=speculative_config,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)

@@ -60,6 +60,9 @@ class Request:
         self.error: str | None = None
         """What went wrong, when the request finished with status FINISHED_ERROR."""
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.spec_token_ids: list[int] = []
+        """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): not
+        part of the request's tokens until the target model accepts them."""
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
         # No tensors here, not even a seeded request's random generator: the model runner

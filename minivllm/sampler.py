@@ -75,10 +75,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
         """One random token from one row of ``[vocab]`` logits: temperature, then top-k,
         then top-p, then a draw with ``generator``."""
-        # Divide in float64: a huge (finite) temperature overflows to inf in float32, and
-        # -inf / inf is NaN. The result is then float32 again, like the logits.
-        row = (logits.double() / p.temperature).float()
-        probs = apply_top_k_top_p(row, p.top_k, p.top_p).softmax(-1).cpu()
-        if not torch.isfinite(probs).all() or not probs.sum() > 0:
-            raise SamplingError("the token distribution is not a valid probability distribution")
-        return int(torch.multinomial(probs, 1, generator=generator))
+        return int(torch.multinomial(target_probs(logits, p), 1, generator=generator))
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a random request draws from, on the CPU: temperature, then top-k,
+    then top-p, then softmax, for one row of ``[vocab]`` logits. The rejection sampler
+    (speculative decoding) accepts drafts against exactly this distribution."""
+    # Divide in float64: a huge (finite) temperature overflows to inf in float32, and
+    # -inf / inf is NaN. The result is then float32 again, like the logits.
+    row = (logits.double() / p.temperature).float()
+    probs = apply_top_k_top_p(row, p.top_k, p.top_p).softmax(-1).cpu()
+    if not torch.isfinite(probs).all() or not probs.sum() > 0:
+        raise SamplingError("the token distribution is not a valid probability distribution")
+    return probs

@@ -38,19 +38,26 @@ class ScheduledRequest:
     which computes exactly the one token sampled last step."""
     samples: bool = False
     """Whether this step ends with a new token: only once every known token is computed."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens scored after the request's last token (speculative decoding); they are
+    the last ``len(spec_token_ids)`` of ``num_new_tokens``."""
 
     @classmethod
-    def make(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def make(cls, request: Request, num_new_tokens: int,
+             spec_token_ids: list[int] | None = None) -> ScheduledRequest:
         done = request.num_computed_tokens
+        spec = spec_token_ids or []
+        num_known = num_new_tokens - len(spec)
         decode = (
-            num_new_tokens == 1
+            num_known == 1
             and done == request.num_tokens - 1
             and done >= request.num_prompt_tokens
         )
         return cls(
             request, num_new_tokens, done,
             is_prefill=not decode,
-            samples=done + num_new_tokens == request.num_tokens,
+            samples=done + num_known == request.num_tokens,
+            spec_token_ids=spec,
         )
 
 
@@ -106,14 +113,19 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Drafts (speculative decoding) are tokens to compute like any other: they
+            # count in the budget and get KV slots; the budget may cut them short.
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
+            spec = request.spec_token_ids[:max(num_new - num_known, 0)]
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.preempt_victim()
                 out.preempted.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.make(request, num_new))
+                out.scheduled.append(ScheduledRequest.make(request, num_new, spec))
+                request.spec_token_ids = []  # proposed afresh after this step
                 budget -= num_new
                 i += 1
                 continue
@@ -163,6 +175,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -186,6 +199,7 @@ class Scheduler:
         for s in scheduler_output.scheduled:
             kv.uncache_blocks(s.request, s.num_computed_tokens)
             s.request.num_computed_tokens = s.num_computed_tokens
+            s.request.spec_token_ids = list(s.spec_token_ids)
         for s in reversed(admitted):  # appendleft in reverse keeps their order
             request = s.request
             self.running.remove(request)
@@ -196,13 +210,18 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | Exception]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int] | Exception]
     ) -> list[Request]:
         """Append each sampled token, apply token-level stop rules, free the finished.
 
         A request whose sampling failed (an exception in place of its token) is finished
         with status FINISHED_ERROR; the others are not affected. Returns the requests
         that received a token or an error this step (finished or not).
+
+        With speculative decoding a request may get several tokens (a list: its accepted
+        drafts, then the target's token). They are appended one by one with the stop
+        rules checked after each, so nothing past a stop is ever kept; the KV of the
+        rejected drafts is given up by rolling ``num_computed_tokens`` back over them.
         """
         updated = []
         for s in scheduler_output.scheduled:
@@ -215,12 +234,27 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR)
                 updated.append(request)
                 continue
-            request.append_output_token(token)
-            status = self._check_stop(request)
-            if status is not None:
-                self.finish_request(request, status)
+            tokens = [token] if isinstance(token, int) else token
+            if s.spec_token_ids:
+                num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+                self.rollback_rejected(request, num_rejected)
+            for t in tokens:
+                request.append_output_token(t)
+                status = self._check_stop(request)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
             updated.append(request)
         return updated
+
+    def rollback_rejected(self, request: Request, num_rejected: int) -> None:
+        """Forget the KV of ``num_rejected`` rejected drafts: they were counted as
+        computed when scheduled. Their slots hold stale K/V that no one reads (attention
+        stops at ``num_computed_tokens``) and that the next step overwrites; blocks that
+        now hold no computed token at all go back to the pool. (None of them is in the
+        prefix cache: only blocks full of known tokens are, and drafts are not known.)"""
+        request.num_computed_tokens -= num_rejected
+        self.kv_cache_manager.free_tail_blocks(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
