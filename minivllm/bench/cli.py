@@ -11,7 +11,15 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from minivllm.bench import latency, linear, memory, prefix_caching, simulate, throughput
+from minivllm.bench import (
+    latency,
+    linear,
+    memory,
+    prefix_caching,
+    simulate,
+    speculative,
+    throughput,
+)
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
@@ -22,6 +30,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "memory": memory.main,
     "prefix": prefix_caching.main,
     "linear": linear.main,
+    "speculative": speculative.main,
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
@@ -43,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="memory: the contiguous reservation per request (not an engine setting)")
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
+    parser.add_argument("--workloads", default="copy,chat", help="speculative: which workloads (copy, chat)")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
