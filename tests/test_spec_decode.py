@@ -17,7 +17,7 @@ from helpers import all_blocks_free, greedy, hf_greedy
 from scipy.stats import chisquare
 from tiny_chat import tiny_chat_llm
 
-from minivllm import LLM, EngineConfig, SamplingParams
+from minivllm import LLM, EngineConfig, SamplingParams, viz
 from minivllm.config import add_engine_arguments, engine_kwargs
 from minivllm.core.kv_cache_manager import cdiv
 from minivllm.engine import LLMEngine
@@ -315,6 +315,13 @@ def test_spec_decode_metrics_on_a_hand_worked_case():
     assert drafts == [[(0, 0)], [(2, 1)], [(0, 0)], [(1, 1)]]
     sd = engine.stats.spec_decoding
     assert (sd.acceptance_rate, sd.mean_acceptance_length) == (2 / 3, 2.0)
+    # The figure draws these counts: accepted under rejected, bonus as dots.
+    counts = viz.spec_decode_counts(engine.trace)
+    assert counts == {"steps": [0, 1, 2, 3], "proposed": [0, 2, 0, 1], "accepted": [0, 1, 0, 1],
+                      "bonus": [0, 0, 0, 1]}
+    ax = viz.plot_spec_decode(engine.trace).axes[0]
+    accepted, rejected = ([p.get_height() for p in bars] for bars in ax.containers)
+    assert (accepted, rejected) == ([0, 1, 0, 1], [0, 1, 0, 0])
 
 
 # -- the proposer and the configuration ------------------------------------------------
