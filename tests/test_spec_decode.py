@@ -22,7 +22,7 @@ from minivllm.config import add_engine_arguments, engine_kwargs
 from minivllm.core.kv_cache_manager import cdiv
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError
-from minivllm.metrics import Counter
+from minivllm.metrics import Counter, LoggingStatLogger
 from minivllm.model_loader import TINY_ARCHS, make_tiny_model
 from minivllm.model_runner import ModelRunnerOutput
 from minivllm.spec_decode.ngram_proposer import NgramProposer
@@ -315,6 +315,8 @@ def test_spec_decode_metrics_on_a_hand_worked_case():
     assert drafts == [[(0, 0)], [(2, 1)], [(0, 0)], [(1, 1)]]
     sd = engine.stats.spec_decoding
     assert (sd.acceptance_rate, sd.mean_acceptance_length) == (2 / 3, 2.0)
+    line = LoggingStatLogger(1.0, 0.0).maybe_log(10.0, engine.stats, engine.scheduler_stats())
+    assert line.endswith("Draft acceptance rate: 66.7%, Mean acceptance length: 2.00")
     # The figure draws these counts: accepted under rejected, bonus as dots.
     counts = viz.spec_decode_counts(engine.trace)
     assert counts == {"steps": [0, 1, 2, 3], "proposed": [0, 2, 0, 1], "accepted": [0, 1, 0, 1],
