@@ -8,7 +8,9 @@ longest ``n`` first (``prompt_lookup_max`` down to ``prompt_lookup_min``): a lon
 is better evidence. No second model, no training: a few list comparisons per request.
 
 In vLLM: ``vllm/v1/spec_decode/ngram_proposer.py`` (``NgramProposer.propose``), which
-finds the same longest suffix match with a KMP scan in numba.
+also looks for the longest suffix n-gram within ``[prompt_lookup_min, prompt_lookup_max]``
+(compiled with numba). Which occurrence wins a tie here (the most recent) is this
+module's choice, not checked against vLLM's.
 """
 
 from __future__ import annotations
