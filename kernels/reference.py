@@ -82,6 +82,17 @@ class AttentionPlan:
     decode_groups: list[DecodeGroup]
     prefills: list[tuple[int, int, int, int]]
     """(sequence, first query row, query length, seq_len) of every multi-token sequence."""
+    workspace: torch.Tensor | None = None
+    """Scratch memory the decode groups' K and V are gathered into, reused by every layer
+    (None, or too small: each gather allocates). A 32-request decode gathers megabytes
+    twice per layer; allocated afresh each time, glibc hands such blocks back to the
+    kernel and takes them again, and every page faults on first touch, which made the
+    gathers several times slower than the copy itself on the 2-core CPU this was
+    measured on (``minivllm bench roofline``, the decode steps)."""
+
+    def workspace_size(self, row_width: int) -> int:
+        """Elements the largest decode group needs for its K and V rows of ``row_width``."""
+        return 2 * row_width * max((g.slots.numel() for g in self.decode_groups), default=0)
 
 
 def plan_attention(
@@ -193,12 +204,23 @@ def paged_attention(
     flat_k = key_cache.view(-1, num_kv_heads * head_dim)
     flat_v = value_cache.view(-1, num_kv_heads * head_dim)
     out = None
+    row = num_kv_heads * head_dim
+    reuse = plan.workspace is not None and plan.workspace.numel() >= plan.workspace_size(row)
     for g in plan.decode_groups:
         shape = (g.batch, g.length, num_kv_heads, head_dim)
-        k = flat_k.index_select(0, g.slots).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-        v = flat_v.index_select(0, g.slots).view(shape).transpose(1, 2)
-        q = (query if g.rows is None else query[g.rows]).unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.valid, scale=scale, enable_gqa=gqa).squeeze(2)
+        if reuse:  # K into the first half of the scratch, V into the second
+            kv = plan.workspace[: 2 * g.slots.numel() * row].view(2, -1, row)
+            k = torch.index_select(flat_k, 0, g.slots, out=kv[0])
+            v = torch.index_select(flat_v, 0, g.slots, out=kv[1])
+        else:
+            k, v = flat_k.index_select(0, g.slots), flat_v.index_select(0, g.slots)
+        k = k.view(shape).transpose(1, 2)  # [B, H_kv, L, D]
+        v = v.view(shape).transpose(1, 2)
+        # The query heads that share a KV head go in as that head's queries ([B, H_kv,
+        # H / H_kv, D], one position each, so no causal mask among them): SDPA then reads
+        # each gathered key and value once rather than once per query head.
+        q = (query if g.rows is None else query[g.rows]).view(g.batch, num_kv_heads, -1, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.valid, scale=scale).view(g.batch, num_heads, head_dim)
         if g.rows is None:
             return o  # every sequence decodes: nothing else to do
         if out is None:

@@ -28,7 +28,10 @@ connections, streaming tokens and noticing disconnects for that long. So:
   :class:`EngineDeadError` and ``error`` is set, which ``/health`` reports.
 
 In vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``) does the same job, with the
-engine core in a separate process talking over ZeroMQ instead of a thread.
+engine core in a separate process talking over ZeroMQ instead of a thread. minivllm has
+that too: :class:`~minivllm.core_client.AsyncMPEngine` keeps everything here (streams,
+tokenizing, bounded waiting) and moves the engine core into its own process
+(``minivllm.engine_core``); ``minivllm serve`` uses it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any, TypeVar
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError
 from minivllm.outputs import RequestOutput
-from minivllm.processor import ProcessedPrompt
+from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -170,10 +173,28 @@ class AsyncLLMEngine:
         return self._task is not None and not self._task.done() and self.error is None
 
     @property
+    def is_ready(self) -> bool:
+        """Ready to take requests (in one process: at once; see ``AsyncMPEngine``)."""
+        return True
+
+    @property
+    def processor(self) -> Processor:
+        """Tokenizes and checks prompts (on the tokenizer thread)."""
+        return self.engine.processor
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    @property
     def num_queued(self) -> int:
         """Requests that actually wait: those queued in the scheduler or on their way to
         it, less the seats (``max_num_seqs``) free for them at the next step."""
-        free_seats = max(0, self.engine.scheduler.max_num_seqs - self.num_running)
+        free_seats = max(0, self.max_num_seqs - self.num_running)
         return max(0, self.num_waiting + len(self._adding) - free_seats)
 
     # -- calls into the engine, always on the stepping thread -------------------------
@@ -199,7 +220,7 @@ class AsyncLLMEngine:
     def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """Template or tokenize (on the tokenizer thread, through the engine's
         :class:`~minivllm.processor.Processor`); refuse a ``max_tokens`` that cannot fit."""
-        processor = self.engine.processor
+        processor = self.processor
         if isinstance(prompt, list):  # chat messages
             processed = processor.process_chat(prompt)
         else:

@@ -115,9 +115,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
+        super().__init__(kv_caches, device)
+        key_cache = kv_caches[0][0]
+        self.workspace = torch.empty(0, dtype=key_cache.dtype, device=device)
+        """Where decodes gather K and V, kept from step to step and grown, never shrunk,
+        to the largest group seen (AttentionPlan.workspace says why)."""
+
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
-        block_size = self.kv_caches[0][0].shape[1]
+        _, block_size, num_kv_heads, head_dim = self.kv_caches[0][0].shape
         plan = reference.plan_attention(common.block_tables, common.query_start_loc, common.seq_lens, block_size)
+        need = plan.workspace_size(num_kv_heads * head_dim)
+        if self.workspace.numel() < need:
+            self.workspace = self.workspace.new_empty(need)
+        plan.workspace = self.workspace
         return TorchAttentionMetadata(common.slot_mapping, common.block_tables, common.query_start_loc,
                                       common.seq_lens, plan)
 

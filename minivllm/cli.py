@@ -37,7 +37,8 @@ def _serve(args: argparse.Namespace) -> int:
     from minivllm.server import run_server
 
     run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
-               max_request_bytes=args.max_request_bytes, **engine_kwargs(args))
+               max_request_bytes=args.max_request_bytes, engine_process=args.engine_process,
+               **engine_kwargs(args))
     return 0
 
 
@@ -82,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse new requests (HTTP 503) while this many wait for a seat")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="refuse request bodies larger than this (HTTP 413; default 1 MiB)")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="run the engine core in its own process (default); --no-engine-process: "
+                          "on a thread of the server process")
     add_engine_arguments(srv, SERVE_SETTINGS)
     srv.set_defaults(func=_serve)
 

@@ -36,7 +36,7 @@ from minivllm.config import (
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
-from minivllm.linear import resolve_linear_backend
+from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_token
@@ -111,6 +111,9 @@ class LLMEngine:
             model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model = model
         self.tokenizer = tokenizer
+        # "auto" becomes a plan measured on this machine (or read from its cache).
+        self.linear_plan = choose_linear_plan(self.linear_backend, model)
+        self.linear_backend = self.linear_plan.name
         self.eos_token_id = eos_token_id(model, tokenizer)
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
@@ -131,7 +134,7 @@ class LLMEngine:
         )
         self.model_runner = model_runner or ModelRunner(
             self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
-            config.seed, linear_backend=self.linear_backend,
+            config.seed, linear_plan=self.linear_plan,
             sampler_cls=load_component("sampler_cls", config.sampler_cls),
         )
         self.processor = Processor(self.tokenizer, self.model.config.vocab_size, self.max_model_len,

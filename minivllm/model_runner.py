@@ -32,7 +32,7 @@ from minivllm.attention import (
 )
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.linear import onednn_linear, plain_linears
+from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.request import Request
 from minivllm.sampler import Sampler, SamplingError
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
@@ -71,7 +71,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
-        linear_backend: str = "torch",
+        linear_plan: LinearPlan = STOCK_PLAN,
         sampler_cls: type = Sampler,
     ) -> None:
         self.model = model
@@ -79,8 +79,9 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.kv_cache_manager = kv_cache_manager
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        # Swapped to oneDNN only for the engine's own forward passes (minivllm.linear).
-        self.onednn_linears = plain_linears(model) if linear_backend == "onednn" else []
+        # Swapped to the plan's libraries only for the engine's own forward passes (minivllm.linear).
+        self.linear_plan = linear_plan
+        self.linears = linear_plan.assign(model)
         num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
@@ -171,7 +172,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
         t0 = time.perf_counter()
-        with onednn_linear(self.onednn_linears):
+        with planned_linear(self.linears):
             out = self.model(
                 **inputs,
                 use_cache=False,

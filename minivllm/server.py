@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.async_engine import AsyncLLMEngine, EngineDeadError
+from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError
 from minivllm.llm import LLM
@@ -100,29 +101,44 @@ def build_app(
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     served_model_name: str | None = None,
+    engine_process: bool | None = None,
     **llm_kwargs: Any,
 ) -> FastAPI:
-    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``; built from
-    ``llm_kwargs``, e.g. ``model=...``, ``max_num_seqs=...``, when None).
+    """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``), or an engine built
+    from ``llm_kwargs`` (``model=...``, ``max_num_seqs=...``) when it is None.
 
-    The app owns one :class:`AsyncLLMEngine`, started and stopped with the app's lifespan
-    and reachable as ``app.state.engine``. Use one app per server run; the engine itself
-    can be served again later by a fresh app.
+    ``engine_process``: run the engine core in a process of its own
+    (:class:`~minivllm.core_client.AsyncMPEngine`, what ``minivllm serve`` does); the
+    default when ``llm`` is None. With an ``llm`` given, the engine runs on a thread of
+    this process (:class:`AsyncLLMEngine`): a built engine cannot move to another process.
+
+    The app owns its async engine, started and stopped with the app's lifespan and
+    reachable as ``app.state.engine``. Use one app per server run; an engine given as
+    ``llm`` can be served again later by a fresh app.
     """
     _check_options(api_key, max_request_bytes)
-    if llm is None:
-        llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
-        llm = LLM(**llm_kwargs)
-    elif llm_kwargs:
+    if llm is not None and llm_kwargs:
         raise TypeError(f"engine options {sorted(llm_kwargs)} only apply when build_app builds the LLM")
-    engine = llm.llm_engine if isinstance(llm, LLM) else llm
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+    if llm is not None and engine_process:
+        raise ValueError("engine_process=True needs the engine's options, not a built engine: "
+                         "pass llm=None and model=... instead")
+    llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
+    if llm is None and engine_process is not False:
+        from minivllm.core_client import AsyncMPEngine  # needs pyzmq and msgspec (serve extra)
+
+        async_engine: AsyncLLMEngine = AsyncMPEngine(EngineConfig(**llm_kwargs), max_waiting=max_waiting)
+        model_name = async_engine.config.model
+    else:
+        llm = LLM(**llm_kwargs) if llm is None else llm
+        engine = llm.llm_engine if isinstance(llm, LLM) else llm
+        async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
+        model_name = engine.config.model
     http_counts: dict[tuple[str, str], int] = {}
-    serving = OpenAIServing(async_engine, served_model_name or engine.config.model, http_counts)
+    serving = OpenAIServing(async_engine, served_model_name or model_name, http_counts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        async_engine.start()  # in its own process: loads the model while /health says 503
         yield
         await async_engine.shutdown()
 
@@ -262,9 +278,11 @@ class ServerThread:
 
 def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
                max_waiting: int | None = DEFAULT_MAX_WAITING,
-               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, **llm_kwargs: Any) -> None:
-    """Load the model and serve it until interrupted (what ``minivllm serve`` runs)."""
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, engine_process: bool = True,
+               **llm_kwargs: Any) -> None:
+    """Load the model and serve it until interrupted (what ``minivllm serve`` runs); the
+    engine core runs in a process of its own unless ``engine_process`` is False."""
     app = build_app(api_key=api_key, max_waiting=max_waiting, max_request_bytes=max_request_bytes,
-                    **llm_kwargs)
+                    engine_process=engine_process, **llm_kwargs)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
     _Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()

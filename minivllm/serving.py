@@ -87,7 +87,7 @@ class OpenAIServing:
     # -- the endpoints -------------------------------------------------------------------
     async def list_models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "minivllm", "max_model_len": self.engine.engine.max_model_len}
+                "owned_by": "minivllm", "max_model_len": self.engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -161,6 +161,8 @@ class OpenAIServing:
     async def health(self) -> JSONResponse:
         if self.engine.error is not None:
             return APIError(500, f"the engine failed: {self.engine.error!r}", "server_error").response()
+        if not self.engine.is_ready:  # the engine core process is still loading the model
+            return APIError(503, "the engine is starting; retry shortly", "service_unavailable").response()
         return JSONResponse({"status": "ok", "num_requests_running": self.engine.num_running,
                              "num_requests_waiting": self.engine.num_queued})
 

@@ -175,8 +175,9 @@ def cpu_name() -> str:
 def calibration_key(model: str = DEFAULT_MODEL, dtype: str = "float32",
                     attention_backend: str = "auto", linear_backend: str = "auto") -> dict:
     """What a step's cost depends on besides the step itself: the CPU, torch's version
-    and thread count, the model, its dtype and the attention and matmul backends (resolved,
-    so "auto" is keyed by what it chose here). Two runs with equal keys may share a
+    and thread count, the model, its dtype and the attention and matmul backends (resolved:
+    "auto" attention by what it chose here; "auto" linear layers stay "auto", a plan
+    measured once per machine, minivllm.linear). Two runs with equal keys may share a
     cost model; anything else must calibrate anew."""
     from minivllm.attention import resolve_backend
     from minivllm.config import DTYPES
@@ -327,7 +328,9 @@ def make_simulated_engine(cost_model: CostModel | None = None, **config: object)
         names = ("model", "dtype", "attention_backend", "linear_backend")
         cost_model = CostModel.for_this_machine(**{k: config[k] for k in names if k in config})
     meta = cost_model.meta
-    cfg = EngineConfig(**{"log_stats_interval": None, "device": "cpu", **config})
+    # The stand-in model never computes, so its linear layers have no library to choose:
+    # ``linear_backend`` only picks the cost model (above).
+    cfg = EngineConfig(**{"log_stats_interval": None, "device": "cpu", **config, "linear_backend": "torch"})
     model_max_len = int(meta.get("max_position_embeddings", 8192))
     size = size_kv_cache(cfg, int(meta.get("kv_bytes_per_token", 46080)), model_max_len)
     cfg.num_kv_blocks, cfg.max_model_len = size.num_blocks, size.max_model_len

@@ -39,6 +39,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="FIELD=SPEC",
                     help="run the tests with this class for an EngineConfig component field, "
                          "e.g. scheduler_cls=my_scheduler.py:MyScheduler (repeatable)")
+    parser.getgroup("minivllm-server", "the server tests").addoption(
+        "--engine-process", action="store_true",
+        help="run test_server.py against an engine core in its own process (build_app's "
+             "default without an llm) instead of the offline LLM on a thread")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

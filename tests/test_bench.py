@@ -35,7 +35,8 @@ def test_throughput_all_tools_greedy_identical(tiny):
     report = throughput_benchmark(w, tiny, None, TOOLS, static_batch_size=2,
                                   engine_kwargs=dict(max_num_batched_tokens=32, device="cpu"), min_running=2)
     assert [r.tool for r in report.results] == list(TOOLS)
-    assert report.matches == {"minivllm-torch-linear": 4, "hf-generate": 4, "hf-static": 4, "hf-cb": 4}
+    assert report.matches == {"minivllm-torch-linear": 4, "minivllm-onednn-linear": 4,
+                              "minivllm-transposed-linear": 4, "hf-generate": 4, "hf-static": 4, "hf-cb": 4}
     assert all(r.output_tokens == sum(x.max_tokens for x in w) for r in report.results)
     assert report.overhead["num_steps"] > 0 and 0 <= report.overhead["in_step"] < 1
     table = report.table()
@@ -49,7 +50,8 @@ def test_linear_benchmark_times_both_backends(tiny):
     assert [r["rows"] for r in rows] == [1, 8]
     decoder_linears = len(plain_linears(tiny)) - 1  # not the vocabulary projection
     assert all(r["layers"] == decoder_linears for r in rows)
-    assert all(r["torch s"] > 0 and r["onednn s"] > 0 for r in rows)
+    assert all(r["torch s"] > 0 and r["onednn s"] > 0 and r["transposed s"] > 0 for r in rows)
+    assert all(r["speed-up"] == r["torch s"] / r[f"{r['fastest']} s"] >= 1 for r in rows)
     assert all(type(m) is nn.Linear for m in plain_linears(tiny))  # swapped back afterwards
 
 
@@ -137,6 +139,26 @@ def test_cli_has_bench(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "throughput" in out and "--num-requests" in out and "--tools" in out
+
+
+@pytest.mark.slow
+def test_bench_serve_drives_both_servers_and_the_offline_engine():
+    """Every row made every requested token: the server in each mode and offline."""
+    pytest.importorskip("httpx")
+    from minivllm.bench.serve import format_rows, make_prompts, serve_benchmark
+
+    prompts = {2: make_prompts(3, 16, 1000, seed=0)}
+    rates = {20.0: make_prompts(3, 16, 1000, seed=1)}  # Poisson arrivals, 20 requests/s
+    rows = serve_benchmark(prompts, 4, {"max_num_batched_tokens": 64}, rates=rates)
+    assert [(r.mode, r.rate) for r in rows] == [
+        ("offline", None), ("server (thread)", None), ("server (thread)", 20.0),
+        ("server (process)", None), ("server (process)", 20.0)]
+    assert all(r.num_requests == 3 and r.output_tokens == 12 and r.output_tok_s > 0 for r in rows)
+    assert all(r.itl_p50 > 0 and r.ttft_p99 >= r.ttft_p50 > 0 for r in rows)
+    assert all(1 <= r.concurrency <= 3 for r in rows if r.rate)  # the most in flight at once
+    table = format_rows(rows)
+    assert table.count("\n") == 6  # a header, a rule, five rows
+    assert table.count("20 req/s") == 2  # one rate row per server mode
 
 
 @pytest.mark.slow

@@ -42,14 +42,20 @@ from minivllm.kernels.triton_utils import triton_available  # noqa: E402
 # ---- the reference is the engine's CPU path (test_attention.py checks it against SDPA) ----
 
 
+@pytest.mark.parametrize("workspace", ["none", "NaN-filled", "too small"])
 @pytest.mark.parametrize("q_lens", [[1] * 7, [1, 1, 5, 1, 1, 7, 1]])
 @pytest.mark.parametrize("min_group_tokens", [0, 64, 10**9])
-def test_reference_decode_groups(q_lens, min_group_tokens):
+def test_reference_decode_groups(q_lens, min_group_tokens, workspace):
     """Decodes of very different lengths, batched into one SDPA call or split by length
-    into several (sorted, so their query rows come back shuffled), give the same output."""
+    into several (sorted, so their query rows come back shuffled), give the same output,
+    whether K/V are gathered into fresh tensors or into a reused scratch that holds stale
+    (NaN) data from before, and a scratch too small is not written past its end."""
     seq_lens = [3, 70, 5, 16, 33, 120, 40]
     b = make_batch(q_lens, seq_lens, 6, 2, 16, 8)
     plan = reference.plan_attention(b.block_tables, b.query_start_loc, b.seq_lens, 8, min_group_tokens)
+    if workspace != "none":
+        size = plan.workspace_size(2 * 16) - (1 if workspace == "too small" else 0)
+        plan.workspace = torch.full((size,), float("nan"))
     assert sum(g.batch for g in plan.decode_groups) == q_lens.count(1)
     assert len(plan.prefills) == len(q_lens) - q_lens.count(1)
     if min_group_tokens == 10**9:
@@ -58,6 +64,8 @@ def test_reference_decode_groups(q_lens, min_group_tokens):
         assert len(plan.decode_groups) == len({n for n, q in zip(seq_lens, q_lens) if q == 1})
     out = reference.paged_attention(*b.args(), plan=plan)
     assert_matches(out, sdpa_expected(b), torch.float32, f"reference, {len(plan.decode_groups)} decode groups")
+    if workspace == "too small":
+        assert plan.workspace.isnan().all()
 
 
 # ---- KV store ---------------------------------------------------------------------------

@@ -53,9 +53,16 @@ def offline(llm: LLM) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(llm: LLM, offline: dict):
-    app = build_app(llm, api_key=KEY, max_waiting=100)
+def server(llm: LLM, offline: dict, pytestconfig: pytest.Config):
+    if pytestconfig.getoption("engine_process"):  # the same engine settings, in its own process
+        app = build_app(api_key=KEY, max_waiting=100, log_stats_interval=None)
+    else:
+        app = build_app(llm, api_key=KEY, max_waiting=100)
     with ServerThread(app) as s:
+        deadline = time.monotonic() + 120
+        while httpx.get(s.url + "/health").status_code != 200:  # the core is loading
+            assert time.monotonic() < deadline, "the engine never became ready"
+            time.sleep(0.1)
         yield s
     assert not s.thread.is_alive(), "the server thread did not stop"
 

@@ -17,6 +17,8 @@ mode, as in vLLM's ``vllm/benchmarks/``:
   (notebook 07).
 - ``linear`` (:mod:`.linear`): the model's linear layers through ``nn.Linear`` and
   through oneDNN (notebook 01).
+- ``roofline`` (:mod:`.roofline`): the machine's float32 GEMM peak and memory bandwidth,
+  then the engine's prefill, decode and workload FLOP/s against them (notebook 11).
 - ``simulate`` and ``fit-simulator`` (:mod:`.simulate`): the simulator on a long
   workload, and fitting its cost model (:mod:`minivllm.simulator_fit`).
 

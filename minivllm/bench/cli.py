@@ -16,6 +16,8 @@ from minivllm.bench import (
     linear,
     memory,
     prefix_caching,
+    roofline,
+    serve,
     simulate,
     speculative,
     throughput,
@@ -31,9 +33,11 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "prefix": prefix_caching.main,
     "linear": linear.main,
     "speculative": speculative.main,
+    "roofline": roofline.main,
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
+    "serve": serve.main,
 }
 
 
@@ -54,6 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
     parser.add_argument("--workloads", default="copy,chat", help="speculative: which workloads (copy, chat)")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
+    parser.add_argument("--concurrencies", default="1,8,32", help="serve: client concurrencies")
+    parser.add_argument("--serve-rates", default="",
+                        help="serve: a request-rate sweep, Poisson arrivals at each rate in requests "
+                             "per second (e.g. 0.5,1,2); none by default")
+    parser.add_argument("--prompt-len", type=int, default=128, help="serve: prompt tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=64, help="serve: output tokens per request")
+    parser.add_argument("--serve-modes", default="thread,process",
+                        help="serve: the servers to compare (thread: engine in the server process; "
+                             "process: engine core in its own process)")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 

@@ -1,8 +1,9 @@
-"""Linear mode: the model's matrix products through ``nn.Linear`` and through oneDNN.
+"""Linear mode: the model's matrix products through each library ``minivllm.linear`` knows.
 
-``minivllm bench linear`` (notebook 01). Whether ``linear_backend="auto"`` (oneDNN on a
-CPU, :mod:`minivllm.linear`) pays off depends on the CPU's matmul library; this measures
-it on the machine in use.
+``minivllm bench linear`` (notebook 01). Which library is fastest (``nn.Linear``, oneDNN,
+or ``(W @ x.T).T``) depends on the CPU and on the rows; ``linear_backend="auto"``
+measures it briefly when an engine starts, and this measures it at length on the machine
+in use.
 """
 
 from __future__ import annotations
@@ -15,22 +16,25 @@ import torch
 
 
 @torch.inference_mode()
-def linear_benchmark(model, rows: Sequence[int] = (1, 32, 512), repeats: int = 3) -> list[dict]:
+def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int = 3,
+                     backends: Sequence[str] | None = None) -> list[dict]:
     """Seconds for every decoder linear layer of ``model`` (not the vocabulary projection)
-    to multiply ``n`` rows, once through ``nn.Linear`` as it is and once through oneDNN
-    (``minivllm.linear``), best of ``repeats``. The layers run one after another as in a
-    forward pass, so each weight comes from memory rather than cache, as in a real step."""
-    from minivllm.linear import onednn_linear, plain_linears
+    to multiply ``n`` rows, through each of ``backends`` (default: every one that runs
+    here), best of ``repeats``. The layers run one after another as in a forward pass,
+    so each weight comes from memory rather than cache, as in a real step. Each row says
+    ``"<backend> s"`` and ``"speed-up"``: ``nn.Linear``'s time over the fastest's."""
+    from minivllm.linear import LinearPlan, candidate_backends, plain_linears, planned_linear
 
     output = model.get_output_embeddings()
     linears = [m for m in plain_linears(model) if m is not output]
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    backends = backends or candidate_backends(param.device, param.dtype)
     results = []
 
-    def best(inputs: dict[int, torch.Tensor], swapped: list) -> float:
+    def best(inputs: dict[int, torch.Tensor], backend: str) -> float:
         times = []
         for _ in range(repeats):
-            with onednn_linear(swapped):
+            with planned_linear([(m, LinearPlan.single(backend).layers) for m in linears]):
                 t = time.perf_counter()
                 for m in linears:
                     m(inputs[m.in_features])
@@ -38,24 +42,22 @@ def linear_benchmark(model, rows: Sequence[int] = (1, 32, 512), repeats: int = 3
         return min(times)
 
     for n in rows:
-        inputs = {m.in_features: torch.randn(n, m.in_features, dtype=dtype) for m in linears}
-        torch_s, onednn_s = best(inputs, []), best(inputs, linears)
-        results.append({"rows": n, "layers": len(linears), "torch s": torch_s, "onednn s": onednn_s,
-                        "speed-up": torch_s / onednn_s})
+        inputs = {m.in_features: torch.randn(n, m.in_features, dtype=param.dtype) for m in linears}
+        row = {"rows": n, "layers": len(linears), **{f"{b} s": best(inputs, b) for b in backends}}
+        row["fastest"] = min(backends, key=lambda b: row[f"{b} s"])
+        row["speed-up"] = row["torch s"] / row[f"{row['fastest']} s"]
+        results.append(row)
     return results
 
 
 def main(args: argparse.Namespace) -> int:
-    """``minivllm bench linear``: every decoder linear layer of the model, both ways."""
-    from minivllm.linear import onednn_available
+    """``minivllm bench linear``: every decoder linear layer of the model, each library."""
     from minivllm.model_loader import load_model
 
-    if not onednn_available():
-        print("this PyTorch build has no oneDNN: linear_backend='auto' keeps nn.Linear")
-        return 1
     model, _ = load_model(args.model)
-    print("every decoder linear layer once, weights from memory (best of 3):")
+    print("every decoder linear layer once, weights from memory (best of 3), ms:")
     for r in linear_benchmark(model):
-        print(f"{r['rows']:>4} rows x {r['layers']} layers: nn.Linear {r['torch s'] * 1e3:7.1f} ms, "
-              f"oneDNN {r['onednn s'] * 1e3:7.1f} ms, {r['speed-up']:.2f}x")
+        times = ", ".join(f"{k[:-2]} {v * 1e3:7.1f}" for k, v in r.items() if k.endswith(" s"))
+        print(f"{r['rows']:>4} rows x {r['layers']} layers: {times}; fastest {r['fastest']}, "
+              f"{r['speed-up']:.2f}x nn.Linear")
     return 0

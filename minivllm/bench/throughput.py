@@ -173,15 +173,18 @@ def throughput_benchmark(
         run_hf_generate(baseline, warm[:1], pad)
     logger.info("minivllm: %.1f s", results[0].wall_s)
 
-    def torch_linear() -> ToolResult:
-        # The same engine with the model's nn.Linear as is: how much of minivllm's lead
-        # is scheduling and paging, and how much the oneDNN matmul (minivllm.linear).
-        stock = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": "torch"}), engine.model, tokenizer)
-        run_minivllm(stock, warm)
-        return replace(run_minivllm(stock, workload), tool="minivllm-torch-linear")
+    def fixed_linear(backend: str) -> ToolResult:
+        # The same engine with every linear layer through one library, whatever "auto"
+        # measured (minivllm.linear): "torch" is nn.Linear as is, so that row also shows
+        # how much of minivllm's lead is scheduling and paging rather than the matmul.
+        fixed = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": backend}), engine.model, tokenizer)
+        run_minivllm(fixed, warm)
+        return replace(run_minivllm(fixed, workload), tool=f"minivllm-{backend}-linear")
 
     others = {
-        "minivllm-torch-linear": torch_linear,
+        "minivllm-torch-linear": lambda: fixed_linear("torch"),
+        "minivllm-onednn-linear": lambda: fixed_linear("onednn"),
+        "minivllm-transposed-linear": lambda: fixed_linear("transposed"),
         "hf-generate": lambda: run_hf_generate(baseline, workload, pad),
         "hf-static": lambda: run_hf_static(baseline, workload, static_batch_size, pad),
         "hf-cb": lambda: run_hf_continuous(baseline, workload, pad_token_id=pad,
@@ -235,7 +238,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"workload: chat_workload(n={n}, seed={args.seed}): prompts {w['min_prompt']}-{w['max_prompt']} "
           f"tokens ({w['prompt_tokens']} in all), outputs {w['min_output']}-{w['max_output']} "
           f"({w['output_tokens']} in all), greedy, ignore_eos; torch threads "
-          f"{report.environment['torch_threads']}")
+          f"{report.environment['torch_threads']}; minivllm's linear_backend='auto' chose: "
+          f"{report.environment['linear_backend']}")
     print(report.table())
     for tool, diffs in report.first_mismatch.items():
         if diffs:

@@ -22,10 +22,13 @@ from minivllm.engine import LLMEngine
 from minivllm.replay import replay_workload
 from minivllm.workload import WorkloadRequest
 
-TOOLS = ("minivllm", "minivllm-torch-linear", "hf-generate", "hf-static", "hf-cb")
+TOOLS = ("minivllm", "minivllm-torch-linear", "minivllm-onednn-linear", "minivllm-transposed-linear",
+         "hf-generate", "hf-static", "hf-cb")
 TOOL_LABELS = {
     "minivllm": "minivllm (continuous batching, paged KV)",
     "minivllm-torch-linear": "minivllm, linear_backend='torch'",
+    "minivllm-onednn-linear": "minivllm, linear_backend='onednn'",
+    "minivllm-transposed-linear": "minivllm, linear_backend='transposed'",
     "hf-generate": "transformers generate(), one at a time",
     "hf-static": "transformers generate(), padded static batches",
     "hf-cb": "transformers continuous batching",

@@ -22,7 +22,7 @@ One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency
 is all a notebook needs.
 """
 
-from minivllm.viz.architecture import plot_architecture
+from minivllm.viz.architecture import plot_architecture, plot_process_split
 from minivllm.viz.batch import plot_batch_composition, plot_flat_batch
 from minivllm.viz.kv_cache import (
     block_owners,
@@ -89,6 +89,7 @@ __all__ = [
     "plot_flat_batch",
     "plot_kv_usage",
     "plot_latency",
+    "plot_process_split",
     "plot_memory_waste",
     "plot_request_timeline",
     "plot_spec_decode",

@@ -15,12 +15,12 @@ from minivllm.viz.style import ARCHITECTURE_SIZE, _new_axes
 # (label, module(s), notebooks, x, y): the boxes of plot_architecture.
 _ARCHITECTURE = {
     "llm": ("LLM: generate / chat / stream\n(the offline API)", "minivllm/llm.py", "00", 2.0, 7.0),
-    "server": ("API server (OpenAI HTTP), and\nAsyncLLMEngine: one stepping thread",
-               "minivllm/server.py\nminivllm/async_engine.py", "10", 2.0, 4.8),
+    "server": ("API server process: HTTP, validation,\ntokenize, detokenize, stream",
+               "minivllm/server.py\nminivllm/core_client.py", "10", 2.0, 4.8),
     "detokenizer": ("Detokenizer: tokens -> text\nstop strings, streamed pieces",
                     "minivllm/detokenizer.py", "00 10", 2.0, 2.6),
-    "engine": ("Engine core: LLMEngine.step()\nschedule, run, update, outputs",
-               "minivllm/engine.py", "04 09", 6.6, 7.0),
+    "engine": ("Engine core: the step loop\nschedule, run, update, outputs",
+               "minivllm/engine_core.py\nminivllm/engine.py", "04 09 10", 6.6, 7.0),
     "scheduler": ("Scheduler: who runs this step\ntoken budget, chunks, preemption",
                   "minivllm/core/scheduler.py", "04 06 08", 11.2, 7.0),
     "kv": ("KV cache manager + block pool\nblock tables, free queue, prefix hashes",
@@ -34,13 +34,16 @@ _ARCHITECTURE = {
 }
 # (from, to, label, arc): the arrows, in the order one request travels.
 _ARCHITECTURE_FLOW = [
-    ("llm", "engine", "add_request", 0.0), ("server", "engine", "add_request", 0.0),
+    ("llm", "engine", "add_request", 0.0), ("server", "engine", "token ids, aborts", 0.0),
     ("engine", "scheduler", "1 schedule()", 0.0), ("scheduler", "kv", "allocate / free blocks", 0.0),
     ("engine", "runner", "2 execute", 0.0), ("runner", "attention", "forward", 0.0),
     ("attention", "sampler", "logits", 0.0), ("sampler", "engine", "3 new tokens", 0.2),
-    ("engine", "detokenizer", "4 text", 0.0), ("detokenizer", "server", "stream", 0.0),
+    ("engine", "detokenizer", "4 new token ids, each step", 0.0), ("detokenizer", "server", "stream", 0.0),
     ("detokenizer", "llm", "RequestOutput", -0.2),
 ]
+# The boundary of the engine core process of ``minivllm serve`` (x0, y0, x1, y1): the
+# scheduler, KV cache manager, model runner and step loop; the API server stays outside.
+_ENGINE_CORE_PROCESS = (4.55, -0.55, 13.25, 7.95)
 
 
 def plot_architecture(ax: Axes | None = None) -> Figure:
@@ -51,8 +54,11 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
     runs steps: the scheduler picks this step's tokens (and asks the KV cache manager
     for blocks), the model runner packs them into one flat batch for the model, whose
     attention reads and writes the paged cache, the sampler picks each next token, and
-    the detokenizer turns tokens into text for the caller. The same picture as vLLM's
-    V1 engine, with vLLM's names.
+    the detokenizer turns tokens into text for the caller. ``minivllm serve`` runs the
+    parts inside the dashed border (scheduler, KV cache manager, model runner, the step
+    loop) in an engine core process of their own; the API server process keeps HTTP,
+    validation, tokenization, detokenization and streaming, and sends token ids and
+    aborts across (notebook 10). The same picture as vLLM's V1 engine, with vLLM's names.
     """
     fig, ax = _new_axes(ax, ARCHITECTURE_SIZE)
     w, h = 3.3, 1.3
@@ -68,6 +74,14 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
         ax.text(x + w / 2 - 0.05, y + h / 2 - 0.05, f"nb {notebooks}", ha="right", va="top",
                 fontsize=6.5, color="#777777")
         centres[key] = (x, y)
+    x0, y0, x1, y1 = _ENGINE_CORE_PROCESS
+    core = FancyBboxPatch((x0, y0), x1 - x0, y1 - y0, boxstyle="round,pad=0.05", fill=False,
+                          edgecolor="#1f4e79", linestyle="--", linewidth=1.2)
+    core.set_gid("process:engine_core")
+    ax.add_patch(core)
+    ax.text(x1 - 0.1, y0 + 0.1, "engine core process (minivllm serve):\nonly token ids and "
+            "aborts cross\nits border, one output per step", ha="right", va="bottom",
+            fontsize=7.5, color="#1f4e79", style="italic")
     for a, b, label, arc in _ARCHITECTURE_FLOW:
         (x0, y0), (x1, y1) = centres[a], centres[b]
         if arc:  # around the side of the boxes in between: leave and enter sideways
@@ -88,10 +102,78 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
         arrow.set_gid(f"flow:{a}->{b}")
         ax.text(*mid, label, ha="center", va="center", fontsize=7.5, color="#8b2f00",
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=0.5))
-    ax.set_xlim(-1.2, 13.3)
-    ax.set_ylim(-0.5, 7.9)
+    ax.set_xlim(-1.2, 13.4)
+    ax.set_ylim(-0.7, 8.1)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title("minivllm, one engine step: the parts, their modules (blue), the notebooks "
                  "that teach them (nb), and the numbered path of a step", fontsize=10)
+    return fig
+
+
+# -- the two processes of minivllm serve, and what crosses between them -------------------
+
+# (title, module, what it does): the two sides of plot_process_split.
+_PROCESSES = {
+    "api_server": ("API server process", "minivllm/server.py, serving.py\nminivllm/core_client.py",
+                   ["HTTP (FastAPI, uvicorn), API key, limits", "validation: 400 before the core",
+                    "chat template, tokenize", "detokenize: ids -> text, SSE stream",
+                    "abort on client disconnect"]),
+    "engine_core": ("Engine core process", "minivllm/engine_core.py\nminivllm/engine.py",
+                    ["step loop: read messages, step, send", "scheduler: token budget, chunks",
+                     "KV cache manager, block pool", "model runner, attention, sampler",
+                     "never waits on a client"]),
+}
+# (from, to, message, what it carries): the arrows, one ZeroMQ socket each way.
+_PROCESS_MESSAGES = [
+    ("api_server", "engine_core", "AddRequest", "prompt token ids, SamplingParams"),
+    ("api_server", "engine_core", "Abort", "request ids, applied between two steps"),
+    ("engine_core", "api_server", "StepOutputs", "each request's new token ids, finish\n"
+     "reasons, scheduler gauges: one per step"),
+]
+
+
+def plot_process_split(ax: Axes | None = None) -> Figure:
+    """The two processes of ``minivllm serve`` and the messages between them (notebook 10).
+
+    The API server process does everything a client touches (HTTP, validation,
+    tokenization, detokenization, streaming); the engine core process runs only the step
+    loop, with the scheduler, the KV cache manager and the model runner. They share no
+    interpreter lock: the server's JSON work for every streamed token no longer takes
+    time from the model. Only small msgpack messages cross, token ids both ways and never
+    text: vLLM V1's ``AsyncMPClient`` and ``EngineCoreProc``.
+    """
+    fig, ax = _new_axes(ax, (11.0, 5.0))
+    w, h, xs = 4.2, 4.2, {"api_server": 2.3, "engine_core": 9.7}
+    for key, (title, module, duties) in _PROCESSES.items():
+        x = xs[key]
+        box = FancyBboxPatch((x - w / 2, 0.2), w, h, boxstyle="round,pad=0.08",
+                             facecolor="#f4f1e8", edgecolor="#555555", linewidth=1.0)
+        box.set_gid(f"process:{key}")
+        ax.add_patch(box)
+        ax.text(x, 0.2 + h - 0.3, title, ha="center", va="center", fontsize=11, fontweight="bold")
+        ax.text(x, 0.2 + h - 0.85, module, ha="center", va="center", fontsize=8,
+                family="monospace", color="#1f4e79")
+        for i, duty in enumerate(duties):
+            ax.text(x - w / 2 + 0.25, 0.2 + h - 1.6 - 0.55 * i, "- " + duty, ha="left",
+                    va="center", fontsize=8.5)
+    for i, (a, b, message, carries) in enumerate(_PROCESS_MESSAGES):
+        y = 3.7 - 1.25 * i
+        start = xs[a] + (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
+        end = xs[b] - (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
+        arrow = ax.annotate("", xy=(end, y), xytext=(start, y),
+                            arrowprops=dict(arrowstyle="-|>", color="#333333", lw=1.4))
+        arrow.set_gid(f"message:{message}")
+        ax.text((start + end) / 2, y + 0.15, message, ha="center", va="bottom", fontsize=9,
+                fontweight="bold", color="#8b2f00")
+        ax.text((start + end) / 2, y - 0.12, carries, ha="center", va="top", fontsize=7.5,
+                color="#8b2f00")
+    ax.text(6.0, 0.35, "two ZeroMQ sockets,\nmsgpack (msgspec)", ha="center", va="bottom",
+            fontsize=8, style="italic", color="#555555")
+    ax.set_xlim(-0.1, 12.1)
+    ax.set_ylim(0.0, 4.7)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title("minivllm serve: two processes, and what crosses between them (token ids, "
+                 "never text)", fontsize=10)
     return fig

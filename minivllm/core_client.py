@@ -1,0 +1,323 @@
+"""AsyncMPEngine: the async engine with its engine core in another process (notebook 10).
+
+:class:`~minivllm.async_engine.AsyncLLMEngine` runs the engine on a thread of the server
+process; this subclass keeps all of its front-end work (streams, tokenizing on a thread,
+bounded waiting, aborts when a client goes) and replaces the thread with a process,
+:mod:`minivllm.engine_core`. What changes:
+
+* **Start.** ``start()`` spawns the core and returns at once; the core loads the model
+  and answers ``Ready`` with the numbers the server needs to check prompts itself
+  (``max_model_len`` depends on the KV cache it sized). Until then ``is_ready`` is
+  False (``/health`` answers 503) and new requests wait for it.
+* **Requests.** The server tokenizes with its own tokenizer and :class:`~minivllm.processor.Processor`, and
+  sends token ids (``AddRequest``). Aborts leave at once (``Abort``); the core applies
+  them before its next step.
+* **Outputs.** One task reads the core's ``StepOutputs``: new token ids per request. It
+  detokenizes them here (an :class:`~minivllm.detokenizer.IncrementalDetokenizer` per request, as in the
+  engine) and hands each stream a ``RequestOutput`` just like the in-process one.
+* **Death.** If the core process exits (a failed step, a kill, out of memory), ``error``
+  is set, ``/health`` answers 500 and every open stream ends with
+  :class:`~minivllm.async_engine.EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
+* **Shutdown.** ``Shutdown`` to the core, a join, and a kill if it does not go.
+
+In vLLM: ``vllm/v1/engine/core_client.py`` (``AsyncMPClient``) and the
+``OutputProcessor`` of ``vllm/v1/engine/output_processor.py``, both used by ``AsyncLLM``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
+from minivllm.config import COMPONENT_FIELDS, EngineConfig
+from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.engine_core import (
+    IDLE_POLL_MS,
+    Abort,
+    AddRequest,
+    EngineCoreOutput,
+    Failed,
+    FromCore,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    Utility,
+    UtilityResult,
+    run_engine_core,
+)
+from minivllm.exceptions import ValidationError
+from minivllm.metrics import RequestMetrics
+from minivllm.model_loader import resolve_model_dir
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.processor import ProcessedPrompt, Processor
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+
+@dataclass
+class RequestState:
+    """What the server keeps of one request while the core runs it."""
+    prompt: ProcessedPrompt
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    token_ids: list[int] = field(default_factory=list)
+
+
+class AsyncMPEngine(AsyncLLMEngine):
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None,
+                 reject_over_length: bool = True,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """``config``: the engine core's settings (it is built in the other process; a
+        learner's component must be a ``'module:Class'`` string to cross). The
+        tokenizer is loaded here from ``config.model`` unless given."""
+        super().__init__(None, max_waiting, reject_over_length)  # type: ignore[arg-type]
+        config.verify()
+        for name in COMPONENT_FIELDS:  # a class object would not reach a fresh interpreter
+            if not isinstance(getattr(config, name), str):
+                raise ValidationError(name, f"{name} must be a 'module:Class' string for an engine "
+                                      f"core in its own process, got {getattr(config, name)!r}",
+                                      getattr(config, name))
+        self.config = config
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
+        self._processor: Processor | None = None
+        self._ready: Ready | None = None
+        self._ready_event: asyncio.Event | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._states: dict[str, RequestState] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._num_sent = 0
+        self._num_added = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+
+    # -- what the base class reads from the engine ---------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        return self._ready is not None and self.error is None
+
+    @property
+    def processor(self) -> Processor:
+        return self._processor
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._ready.max_model_len if self._ready else None
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._ready.max_num_seqs if self._ready else self.config.max_num_seqs
+
+    @property
+    def num_queued(self) -> int:
+        """As in the base class; "on their way" are the adds the core has not seen yet."""
+        free_seats = max(0, self.max_num_seqs - self.num_running)
+        on_the_way = len(self._adding) + self._num_sent - self._num_added
+        return max(0, self.num_waiting + on_the_way - free_seats)
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's id."""
+        return self._process.pid if self._process is not None else None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the engine core and start reading from it; returns before it is ready."""
+        if self._task is not None:
+            return
+        self._wakeup = asyncio.Event()  # unused here, but the base class sets it
+        self._ready_event = asyncio.Event()
+        self._dir = tempfile.TemporaryDirectory(prefix="minivllm-")
+        to_core, from_core = (f"ipc://{self._dir.name}/{name}" for name in ("in", "out"))
+        self._context = zmq.asyncio.Context()
+        self._to_core = self._context.socket(zmq.PUSH)
+        self._to_core.bind(to_core)
+        self._from_core = self._context.socket(zmq.PULL)
+        self._from_core.bind(from_core)
+        spawn = multiprocessing.get_context("spawn")
+        self._process = spawn.Process(
+            target=run_engine_core, name="minivllm-engine-core", daemon=True,
+            args=(self.config, to_core, from_core, os.getpid(), logger.getEffectiveLevel()))
+        self._process.start()
+        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="minivllm-core-reader")
+
+    async def wait_ready(self) -> None:
+        """Wait until the core has loaded the model; EngineDeadError if it never will."""
+        if self._task is None:
+            self.start()
+        await self._ready_event.wait()
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error!r}")
+
+    async def shutdown(self) -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self.end_streams("the server is shutting down")
+        process = self._process
+        if process.is_alive():
+            try:
+                await self._to_core.send(self._encoder.encode(Shutdown()))
+            except zmq.ZMQError:
+                pass
+            await asyncio.to_thread(process.join, 10)
+        if process.is_alive():  # it did not go in time
+            process.kill()
+            await asyncio.to_thread(process.join, 5)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._context.term()
+        self._dir.cleanup()
+        await asyncio.to_thread(self._tokenizer_pool.shutdown, True, cancel_futures=True)
+        self._executor.shutdown(False)
+
+    def end_streams(self, reason: str) -> None:
+        """End every open stream with EngineDeadError; abort their requests in the core."""
+        ids = list(self._streams)
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(reason))
+        self._streams.clear()
+        if ids:
+            self._send_abort(ids)
+
+    # -- the reader ----------------------------------------------------------------------------
+    async def _receive(self) -> FromCore:
+        """The core's next message; EngineDeadError if its process has ended."""
+        while not await self._from_core.poll(IDLE_POLL_MS):
+            if not self._process.is_alive():
+                raise EngineDeadError(f"the engine core process exited (exit code "
+                                      f"{self._process.exitcode})")
+        message = self._decoder.decode(await self._from_core.recv())
+        if isinstance(message, Failed):
+            raise EngineDeadError(f"the engine core failed: {message.error}")
+        return message
+
+    async def _run_loop(self) -> None:
+        try:
+            ready = await self._receive()
+            assert isinstance(ready, Ready), ready
+            self._processor = Processor(self.tokenizer, ready.vocab_size, ready.max_model_len,
+                                        ready.max_num_batched_tokens, ready.enable_chunked_prefill)
+            self._ready = ready
+            self._ready_event.set()
+            logger.info("the engine core (pid %d) is ready", self._process.pid)
+            while True:
+                message = await self._receive()
+                if isinstance(message, StepOutputs):
+                    self._process_outputs(message)
+                elif isinstance(message, UtilityResult):
+                    future = self._calls.pop(message.call_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(pickle.loads(message.result))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            if not isinstance(e, EngineDeadError):
+                logger.exception("reading from the engine core failed")
+            else:
+                logger.error("%s; no more requests will be served", e)
+            self.error = e
+            for stream in self._streams.values():
+                stream.put(EngineDeadError(f"the engine failed: {e}"))
+            self._streams.clear()
+            self._states.clear()
+            for future in self._calls.values():
+                if not future.done():
+                    future.set_exception(EngineDeadError(f"the engine failed: {e}"))
+            self._ready_event.set()  # wake whoever waits for readiness: it will not come
+
+    def _process_outputs(self, message: StepOutputs) -> None:
+        self.num_waiting, self.num_running = message.num_waiting, message.num_running
+        self.kv_cache_usage, self._num_added = message.kv_cache_usage, message.num_added
+        for out in message.outputs:
+            state = self._states.get(out.request_id)
+            if state is None:
+                continue
+            output = self._make_output(out, state)
+            if output.finished:
+                del self._states[out.request_id]
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: its consumer has gone; drop it
+                stream.put(output)
+
+    def _make_output(self, out: EngineCoreOutput, state: RequestState) -> RequestOutput:
+        """Detokenize the new ids exactly as ``LLMEngine`` does, so the text is the same."""
+        finished = out.finish_reason is not None
+        # Ended by EOS or a stop token id: that token cannot complete a stop string.
+        stop_terminated = finished and out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        for i, token_id in enumerate(out.new_token_ids):
+            state.detokenizer.update(token_id, stop_terminated and i == len(out.new_token_ids) - 1)
+        state.token_ids.extend(out.new_token_ids)
+        text, new_text = state.detokenizer.get_next_output_text(finished)
+        state.metrics.num_cached_tokens = out.num_cached_tokens
+        completion = CompletionOutput(0, text, list(state.token_ids), out.finish_reason,
+                                      out.stop_reason, out.error)
+        return RequestOutput(out.request_id, state.prompt.prompt, state.prompt.prompt_token_ids,
+                             [completion], finished, state.metrics, out.num_cached_tokens, new_text)
+
+    # -- requests in and out ---------------------------------------------------------------------
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """No stepping thread here: what the base class runs "between steps" is a send."""
+        return fn(*args)
+
+    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
+        """Every check the in-process engine makes on adding, made here: bad input is
+        refused (400) before it is sent, and never reaches the core."""
+        processed = super()._preprocess(prompt, self.processor.check_params(params))
+        self.processor.check_request(processed, params)
+        return processed
+
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        try:
+            ids = prompt.prompt_token_ids
+            self._states[request_id] = RequestState(
+                prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
+                RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
+            self._to_core.send(self._encoder.encode(
+                AddRequest(request_id, list(ids), prompt.prompt, params)))
+            self._num_sent += 1
+        finally:
+            self._adding.discard(request_id)
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
+        if self.error is None:
+            await self.wait_ready()
+        return await super().add_request(request_id, prompt, params)
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        if self.error is None and self._task is not None:
+            self._to_core.send(self._encoder.encode(Abort(request_ids)))
+
+    def _abort_later(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._send_abort([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        self._send_abort([request_id])
+
+    async def get_metrics(self) -> list:
+        """The core's metric records, fetched between two of its steps."""
+        await self.wait_ready()
+        call_id = next(self._call_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self._to_core.send(self._encoder.encode(Utility(call_id, "get_metrics")))
+        return await future

@@ -1,0 +1,209 @@
+"""The engine core in its own process (``minivllm.engine_core``, ``minivllm.core_client``).
+
+The server in front of a split engine must answer exactly as the offline engine does,
+free a disconnected request's blocks, refuse bad input without the core, say 503 until
+the core is ready, turn a dead core into clear errors, and leave no process behind,
+however it ends (shutdown, SIGTERM, SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from minivllm import LLM, SamplingParams
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+httpx = pytest.importorskip("httpx")
+from test_server import scrape, successes, wait_until_idle  # noqa: E402
+
+from minivllm.core_client import AsyncMPEngine  # noqa: E402
+from minivllm.server import ServerThread, build_app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 60.0
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]
+ENGINE = {"max_num_seqs": 8, "log_stats_interval": None}
+
+
+def wait_healthy(client: httpx.Client, timeout: float = 120.0) -> list[int]:
+    """Poll /health until 200; return every status seen."""
+    seen, deadline = [], time.monotonic() + timeout
+    while not seen or seen[-1] != 200:
+        assert time.monotonic() < deadline, f"never ready: {seen[-5:]}"
+        seen.append(client.get("/health").status_code)
+        time.sleep(0.05)
+    return seen
+
+
+def is_gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting for its parent's wait()."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not is_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return is_gone(pid)
+
+
+@pytest.fixture(scope="module")
+def offline() -> dict:
+    llm = LLM(**ENGINE)
+    chat = llm.generate({"prompt_token_ids": llm._chat_ids(CHAT)},
+                        SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    stop = SamplingParams(temperature=0.0, max_tokens=24, stop=[" is"])
+    many = llm.generate(PROMPTS, [stop if i % 2 else SamplingParams(temperature=0.0, max_tokens=12)
+                                  for i in range(len(PROMPTS))], use_tqdm=False)
+    return {"chat": chat.outputs[0], "many": [o.outputs[0] for o in many]}
+
+
+@pytest.fixture(scope="module")
+def split(offline):
+    app = build_app(**ENGINE)
+    assert isinstance(app.state.engine, AsyncMPEngine)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        seen = wait_healthy(client)
+        assert seen[0] == 503 and seen[-1] == 200, "health was not 503 while the core loaded"
+        yield server, client
+    pid = app.state.engine.pid
+    assert wait_gone(pid), "the engine core outlived the server"
+
+
+def test_outputs_match_offline_token_for_token(split, offline):
+    server, client = split
+    r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "temperature": 0,
+                                                  "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == offline["chat"].text
+    assert choice["token_ids"] == offline["chat"].token_ids
+
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[str, str | None]:
+        body = {"prompt": PROMPTS[i], "max_tokens": 24 if i % 2 else 12, "temperature": 0,
+                "stream": True, **({"stop": [" is"]} if i % 2 else {})}
+        text, reason = "", None
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    c = json.loads(line[6:])["choices"][0]
+                    text, reason = text + c["text"], c["finish_reason"] or reason
+        return text, reason
+
+    async def all_of_them() -> list[tuple[str, str | None]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(len(PROMPTS))))
+
+    streamed = asyncio.run(all_of_them())
+    assert streamed == [(o.text, o.finish_reason) for o in offline["many"]]
+    assert wait_until_idle(client)[("minivllm:kv_cache_usage_perc", ())] == 0
+
+
+def test_disconnect_aborts_in_the_core_and_frees_blocks(split, offline):
+    server, client = split
+    before = scrape(client)
+    body = {"prompt": PROMPTS[1], "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as other:
+        with other.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert len([line for line in (next(lines) for _ in range(6)) if line]) >= 2
+            assert scrape(client)[("minivllm:kv_cache_usage_perc", ())] > 0
+    after = wait_until_idle(client)
+    assert after[("minivllm:kv_cache_usage_perc", ())] == 0
+    assert after[("minivllm:num_requests_running", ())] == 0
+    assert successes(after, "abort") == successes(before, "abort") + 1
+    r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == offline["many"][0].text
+
+
+def test_bad_input_is_refused_before_the_core(split):
+    server, client = split
+    before = scrape(client)
+    cases = [({"prompt": [10**9], "max_tokens": 4}, "prompt"),
+             ({"prompt": "hi", "max_tokens": 10**6}, "max_tokens"),
+             ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+             ({"prompt": [], "max_tokens": 4}, "prompt")]
+    for body, param in cases:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+    # Nothing reached the core: it finished no request, not even with an error.
+    after = wait_until_idle(client)
+    ended = [k for k in after if k[0] == "minivllm:request_success_total"]
+    assert [after[k] for k in ended] == [before[k] for k in ended]
+
+
+def test_killed_core_gives_clear_errors_and_health_500(offline):
+    app = build_app(**ENGINE)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        wait_healthy(client)
+        body = {"prompt": PROMPTS[3], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(app.state.engine.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        last = json.loads(rest[-1][6:])
+        assert "exited" in last["error"]["message"], last
+        health = client.get("/health")
+        assert health.status_code == 500 and "exited" in health.json()["error"]["message"]
+        r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+
+
+def serve_in_a_process() -> tuple[subprocess.Popen, list[int], str]:
+    """``minivllm serve`` as a user runs it; returns it, its child processes (the engine
+    core, and multiprocessing's resource tracker) and its url."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port),
+                             "--max-num-seqs", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        cores = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(cores) == 1, "no engine core process"
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, [int(c) for c in children], url
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_minivllm_serve_leaves_no_orphan(how):
+    proc, children, url = serve_in_a_process()
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=TIMEOUT)
+        assert r.status_code == 200
+        proc.send_signal(how)
+        proc.wait(30)
+        assert all(wait_gone(c) for c in children), f"a child outlived the server ({how.name})"
+    finally:
+        proc.kill()
+        proc.wait()
