@@ -36,6 +36,10 @@ TIMEOUT = 60.0
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]
 ENGINE = {"max_num_seqs": 8, "log_stats_interval": None}
+COPY = ("Repeat this list exactly: red, green, blue, red, green, blue, red, green, blue, "
+        "red, green, blue, red, green,")
+"""A prompt whose greedy continuation copies from itself: n-gram drafts get accepted."""
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
 def wait_healthy(client: httpx.Client, timeout: float = 120.0) -> list[int]:
@@ -71,7 +75,8 @@ def offline() -> dict:
     stop = SamplingParams(temperature=0.0, max_tokens=24, stop=[" is"])
     many = llm.generate(PROMPTS, [stop if i % 2 else SamplingParams(temperature=0.0, max_tokens=12)
                                   for i in range(len(PROMPTS))], use_tqdm=False)
-    return {"chat": chat.outputs[0], "many": [o.outputs[0] for o in many]}
+    copy = llm.generate(COPY, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    return {"chat": chat.outputs[0], "many": [o.outputs[0] for o in many], "copy": copy.outputs[0]}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +151,34 @@ def test_bad_input_is_refused_before_the_core(split):
     after = wait_until_idle(client)
     ended = [k for k in after if k[0] == "minivllm:request_success_total"]
     assert [after[k] for k in ended] == [before[k] for k in ended]
+
+
+def test_speculative_config_crosses_into_the_core(offline):
+    """The config is pickled into the spawned core: speculation runs there (its metrics
+    exist and count accepted drafts), several tokens per step reach the server's
+    detokenizer, and the greedy tokens are those of the offline engine without it."""
+    app = build_app(**ENGINE, speculative_config=SPEC)
+    assert app.state.engine.config.speculative_config == SPEC
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        wait_healthy(client)
+        body = {"prompt": COPY, "max_tokens": 32, "temperature": 0}
+        choice = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
+        assert choice["token_ids"] == offline["copy"].token_ids
+        assert choice["text"] == offline["copy"].text
+        text = ""
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == offline["copy"].text
+        m = wait_until_idle(client)
+    spec = {k[0].removeprefix("minivllm:spec_decode_").removesuffix("_total"): v
+            for k, v in m.items() if k[0].startswith("minivllm:spec_decode_") and not k[1]}
+    assert spec.keys() == {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}, m.keys()
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    per_pos = [m[("minivllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(SPEC["num_speculative_tokens"])]
+    assert sum(per_pos) == spec["num_accepted_tokens"]
 
 
 def test_killed_core_gives_clear_errors_and_health_500(offline):
