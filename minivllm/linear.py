@@ -336,6 +336,26 @@ def _num_layers(model: nn.Module, num_linears: int) -> int:
     return layers if layers and num_linears % layers == 0 else num_linears
 
 
+def runnable_backends(weights: list[tuple[torch.Tensor, torch.Tensor | None]],
+                      backends: Sequence[str]) -> list[str]:
+    """The backends that can multiply every weight shape here, at the fewest and the most
+    rows measured. A library can be present yet refuse a dtype on a given CPU (oneDNN's
+    bfloat16 products need instructions some x86 CPUs lack): it is then not a candidate."""
+    shapes = {tuple(w.shape): (w, b) for w, b in weights}.values()
+    usable = []
+    for name in backends:
+        try:
+            for w, b in shapes:
+                for n in (min(BUCKET_ROWS), max(BUCKET_ROWS)):
+                    FORWARD[name](torch.zeros(n, w.shape[1], dtype=w.dtype), w, b)
+        except RuntimeError as e:
+            logger.info("linear_backend auto: %s cannot run this model's products here (%s); not a candidate",
+                        name, str(e).splitlines()[0][:120])
+            continue
+        usable.append(name)
+    return usable
+
+
 @torch.inference_mode()
 def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch", "onednn", "transposed"),
                             budget_s: float = 0.6, rounds: int = 4, head_slice: int = 8192) -> dict[str, Rates]:
@@ -352,6 +372,8 @@ def measure_linear_backends(model: nn.Module, backends: Sequence[str] = ("torch"
     matrix still larger than the caches of most CPUs, to keep the measurement short."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     layers = [(m.weight, m.bias) for m in plain_linears(model) if m is not head]
+    backends = runnable_backends([*layers, *([(head.weight, head.bias)] if type(head) is nn.Linear else [])],
+                                 backends)
     slice_s = budget_s / (len(BUCKET_ROWS) * len(backends) * rounds)
     group = len(layers) // _num_layers(model, len(layers)) if layers else 1
     rates = {"layers": _rates(layers, BUCKET_ROWS, backends, rounds, slice_s, group) if layers else {}}
@@ -430,7 +452,9 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
     logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of each): %s. Chose: %s.",
                 seconds, _describe(rates), plan.name)
     if disturbed:
-        logger.warning("linear_backend auto: the measurement was disturbed (a sample %.1fx its median: "
+        # INFO, not a warning: the plan is still the fairest comparison this run could make
+        # (paired rounds), and the next start measures again.
+        logger.info("linear_backend auto: the measurement was disturbed (a sample %.1fx its median: "
                        "%s); using its plan for this run without caching it", 1 + NOISE,
                        ", ".join(disturbed[:4]) + (" ..." if len(disturbed) > 4 else ""))
         return plan

@@ -290,3 +290,17 @@ def test_auto_switching_library_by_rows_keeps_tokens_identical(arch, tmp_path, m
     assert {name for name, _, _ in calls} == {"transposed", "onednn"}
     rows = [r for _, r, _ in calls]
     assert min(rows) <= 8 < max(rows)  # both sides of the switch were stepped through
+
+
+def test_a_backend_that_cannot_run_here_is_not_a_candidate(monkeypatch):
+    model = make_tiny_model("llama")
+
+    def refuses(x, weight, bias):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setitem(linear_mod.FORWARD, "onednn", refuses)
+    rates = measure_linear_backends(model, ("torch", "onednn", "transposed"), budget_s=0.05, rounds=2)
+    for by_rows in rates.values():
+        for by_backend in by_rows.values():
+            assert set(by_backend) == {"torch", "transposed"}
+    assert "onednn" not in choose_backends(rates["layers"]).backends
