@@ -102,7 +102,8 @@ class EngineConfig:
     speculative_config: dict | None = setting(
         None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-              '"prompt_lookup_min": 1} (minivllm.spec_decode)')
+              '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
+              'true: verify only as many drafts as its measured step costs say pay)')
 
     def __post_init__(self) -> None:
         self.verify()
@@ -165,6 +166,12 @@ class SpeculativeConfig:
     """The longest suffix n-gram looked up."""
     prompt_lookup_min: int = 1
     """The shortest suffix n-gram that may match; below it nothing is proposed."""
+    adaptive: bool = True
+    """minivllm's own key (vLLM has none like it): each step, verify only as many drafts
+    (0..k) as the engine's measured step costs and acceptance say pay
+    (``minivllm.spec_decode.draft_length``). False: always up to k."""
+    disable_by_batch_size: int | None = None
+    """vLLM's key: no drafts at all while more than this many requests are running."""
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig:
@@ -194,7 +201,10 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValidationError("prompt_lookup_min", f"prompt_lookup_min {lo} is more than "
                                   f"prompt_lookup_max {hi}", lo)
-        return cls(method, k, hi, lo)
+        adaptive = check_bool("adaptive", value.get("adaptive", True))
+        disable = check_int("disable_by_batch_size", value.get("disable_by_batch_size"), minimum=1,
+                            optional=True)
+        return cls(method, k, hi, lo, adaptive, disable)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -44,6 +44,7 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.draft_length import AdaptiveDraftLength
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
@@ -155,11 +156,16 @@ class LLMEngine:
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
         self.proposer: NgramProposer | None = None
         """Speculative decoding's draft proposer, None when it is off."""
+        self.draft_length: AdaptiveDraftLength | None = None
+        """How many drafts pay this step (speculative_config "adaptive"), None when fixed."""
+        self.spec_config: SpeculativeConfig | None = None
         if config.speculative_config is not None:
-            spec = SpeculativeConfig.parse(config.speculative_config)
+            spec = self.spec_config = SpeculativeConfig.parse(config.speculative_config)
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
                                           spec.prompt_lookup_min)
             self.stats.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
+            if spec.adaptive:
+                self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens)
         self._stat_logger = (
             LoggingStatLogger(config.log_stats_interval, self.clock())
             if config.log_stats_interval else None
@@ -252,6 +258,8 @@ class LLMEngine:
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted)
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
+        if self.draft_length is not None:
+            self.draft_length.observe_step(scheduler_output.num_scheduled_tokens, result.model_time)
         if self.proposer is not None:
             self._propose_drafts(updated)
         if self._stat_logger is not None:
@@ -283,21 +291,35 @@ class LLMEngine:
             if s.spec_token_ids and isinstance(tokens, list):
                 accepted[s.request.request_id] = len(tokens) - 1
                 self.stats.spec_decoding.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
+                if self.draft_length is not None:
+                    self.draft_length.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
         return accepted
 
     def _propose_drafts(self, updated: list[Request]) -> None:
         """Drafts for each request that just got its tokens and goes on: the scheduler
         will schedule them after its last token next step. Never more than could be
         kept: one token of the target's own always follows the drafts, so at most
-        ``max_tokens - 1`` more, and no position past ``max_model_len``."""
-        for request in updated:
-            if request.is_finished:
-                continue
+        ``max_tokens - 1`` more, and no position past ``max_model_len``.
+
+        Then all drafts are cut to one length for the step: none while more than
+        ``disable_by_batch_size`` requests run, else what ``self.draft_length`` measures
+        to pay (``minivllm.spec_decode.draft_length``), else the full k."""
+        going_on = [r for r in updated if not r.is_finished]
+        for request in going_on:
             room = self.max_model_len - request.num_tokens
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
                 room = min(room, max_tokens - request.num_output_tokens - 1)
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+        limit = self.spec_config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            k = 0
+        elif self.draft_length is not None:
+            k = self.draft_length.choose([len(r.spec_token_ids) for r in going_on])
+        else:
+            return
+        for request in going_on:
+            del request.spec_token_ids[k:]
 
     def _process_outputs(self, updated: list[Request], outputs: list[RequestOutput]
                          ) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:

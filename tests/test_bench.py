@@ -182,3 +182,21 @@ def test_prefix_caching_benchmark_saves_prefill_work(tiny):
     # Every request after the first finds the 32 shared tokens (4 full blocks) cached.
     assert on["prompt tokens computed"] <= on["prompt tokens"] - 5 * 32
     assert on["hit rate"] > 0 and on["same outputs"] and off["same outputs"]
+
+
+def test_speculative_benchmark_rows_keep_the_tokens():
+    """Every row of ``bench speculative`` (fixed k and the engine's own choice) serves the
+    copy workload with the same greedy tokens as k = 0, and says so."""
+    from tiny_chat import tiny_chat_llm
+
+    from minivllm.bench.speculative import KS, speculative_benchmark
+    from minivllm.workload import copy_workload
+
+    llm = tiny_chat_llm()
+    tokenizer = llm.llm_engine.tokenizer
+    workload = copy_workload(tokenizer, 3, seed=0, text_len=(20, 30))
+    rows = speculative_benchmark(workload, llm.llm_engine.model, tokenizer, KS, max_num_seqs=3)
+    assert [r["k"] for r in rows] == list(KS)
+    assert all(r["same tokens as k=0"] for r in rows)
+    assert rows[0]["speedup"] == 1.0 and all(r["steps"] > 0 and r["out tok/s"] > 0 for r in rows)
+    assert all(0 <= r["acceptance rate"] <= 1 for r in rows[1:])

@@ -39,7 +39,8 @@ ENGINE = {"max_num_seqs": 8, "log_stats_interval": None}
 COPY = ("Repeat this list exactly: red, green, blue, red, green, blue, red, green, blue, "
         "red, green, blue, red, green,")
 """A prompt whose greedy continuation copies from itself: n-gram drafts get accepted."""
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "adaptive": False}
 
 
 def wait_healthy(client: httpx.Client, timeout: float = 120.0) -> list[int]:

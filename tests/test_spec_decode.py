@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,11 +26,14 @@ from minivllm.exceptions import ValidationError
 from minivllm.metrics import Counter, LoggingStatLogger
 from minivllm.model_loader import TINY_ARCHS, make_tiny_model
 from minivllm.model_runner import ModelRunnerOutput
+from minivllm.spec_decode.draft_length import MIN_STEPS, AdaptiveDraftLength
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
 VOCAB = 64
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "adaptive": False}
+"""A fixed draft length, so that every test sees drafts verified; "adaptive" is tested apart."""
 
 
 def copying_workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -73,6 +77,7 @@ CONFIGS = {
     "block32": dict(block_size=32),
     "no_chunking_no_prefix_cache": dict(enable_chunked_prefill=False, enable_prefix_caching=False),
     "k8": dict(speculative_config={**SPEC, "num_speculative_tokens": 8, "prompt_lookup_max": 2}),
+    "adaptive": dict(speculative_config={**SPEC, "adaptive": True}),
 }
 
 
@@ -85,10 +90,12 @@ def test_greedy_is_token_identical_with_speculation(tiny, name):
     plain = LLM(model, **{**cfg, "speculative_config": None})
     assert generate(plain, prompts, lengths) == refs
     counts = spec_counts(llm)
-    # Both paths ran: drafts accepted (several tokens in one step) and drafts rejected.
-    assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
     steps = list(llm.trace.steps)
-    assert len(steps) < len(list(plain.trace.steps))
+    if name != "adaptive":  # there the engine may choose to verify fewer drafts, or none
+        # Both paths ran: drafts accepted (several tokens in one step) and drafts rejected.
+        assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
+        assert len(steps) < len(list(plain.trace.steps))
+    assert max(c.num_draft_tokens for s in steps for c in s.scheduled) <= 4
     budget = llm.llm_engine.config.max_num_batched_tokens
     assert max(s.num_tokens for s in steps) <= budget, "drafts count in the token budget"
     if name == "preempting":
@@ -326,6 +333,96 @@ def test_spec_decode_metrics_on_a_hand_worked_case():
     assert (accepted, rejected) == ([0, 1, 0, 1], [0, 1, 0, 0])
 
 
+# -- how many drafts pay: AdaptiveDraftLength and disable_by_batch_size ----------------
+class CostedRunner(ScriptedRunner):
+    """A scripted target whose step "costs" ``a + b * tokens scored`` model seconds, so
+    that the draft length the engine chooses can be worked out without a real clock."""
+
+    def __init__(self, script: list[int], a: float, b: float) -> None:
+        super().__init__(script)
+        self.a, self.b = a, b
+
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        out = super().execute_model(scheduler_output)
+        return ModelRunnerOutput(out.sampled, self.a + self.b * scheduler_output.num_scheduled_tokens)
+
+
+def run_costed(a: float, b: float, **spec) -> tuple[list[list[int]], list]:
+    """Eight requests over a script of random tokens from a 4-token vocabulary: the
+    proposer always finds a match, and roughly a third of its drafts are right."""
+    rng = random.Random(0)
+    script = [5 + rng.randrange(4) for _ in range(200)]  # 5..8: clear of the end-of-sequence id
+    config = EngineConfig(model="tiny", log_stats_interval=None, speculative_config={
+        "num_speculative_tokens": 4, "prompt_lookup_max": 2, **spec})
+    engine = LLMEngine(config, make_tiny_model("llama", vocab_size=16), None,
+                       model_runner=CostedRunner(script, a, b))
+    for i in range(8):
+        engine.add_request(str(i), {"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5 + i % 4]},
+                           SamplingParams(temperature=0.0, max_tokens=60))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id] = o.outputs[0].token_ids
+    assert all_blocks_free(SimpleNamespace(llm_engine=engine))
+    return [outputs[str(i)] for i in range(8)], list(engine.trace.steps)
+
+
+def drafts_per_step(steps) -> list[int]:
+    return [max((c.num_draft_tokens for c in s.scheduled), default=0) for s in steps]
+
+
+def test_adaptive_draft_length_follows_the_measured_cost():
+    """Where a step costs the same whatever it scores, verifying all k drafts is free;
+    where each scored token costs as much as a step's fixed part, a third of drafts
+    right is a loss, and once the cost line is fitted the engine verifies none. The
+    tokens are the same either way (and the same as with a fixed k)."""
+    flat_tokens, flat = run_costed(a=0.01, b=0.0)
+    steep_tokens, steep = run_costed(a=0.01, b=0.01)
+    fixed_tokens, _ = run_costed(a=0.01, b=0.01, adaptive=False)
+    assert flat_tokens == steep_tokens == fixed_tokens
+    assert max(drafts_per_step(flat)) == 4 and sum(d == 4 for d in drafts_per_step(flat)) > len(flat) // 2
+    settled = drafts_per_step(steep)[MIN_STEPS + 1:]  # after the first fit
+    assert settled and max(settled) == 0
+    assert max(drafts_per_step(steep)[: MIN_STEPS + 1]) == 4, "measures with the full k first"
+
+
+def test_adaptive_draft_length_weighs_acceptance_against_batch_size():
+    """Step costs like SmolLM2's on a 2-core CPU (milliseconds by tokens scored). Each
+    draft position right half the time: for one request on this weight-bound line all
+    8 drafts pay; for 32 at once each draft token costs nearly what a whole token is
+    worth, and none pay. Positions that are never right never pay, even alone."""
+    def policy_after(drafts: list[tuple[int, int]]) -> AdaptiveDraftLength:
+        policy = AdaptiveDraftLength(8)
+        assert policy.choose([8]) == 8, "nothing measured yet: verify all, and measure"
+        for n, ms in [(1, 94), (9, 130), (32, 330), (288, 2400), (5, 110), (64, 640), (2, 96), (17, 200)]:
+            policy.observe_step(n, ms / 1000)
+        for num_draft, num_accepted in drafts * 200:
+            policy.observe_draft(num_draft, num_accepted)
+        return policy
+
+    half = policy_after([(8, 0), (8, 8)])
+    a, b = half.cost_line()
+    assert 0.05 < a < 0.1 and 0.005 < b < 0.01
+    assert half.choose([8]) == 8
+    assert half.choose([8] * 32) == 0
+    assert half.choose([0] * 32) == 0, "no request has drafts: every length ties, the shortest wins"
+    assert policy_after([(8, 4)]).choose([8]) == 4, "positions 5..8 are never right"
+    assert policy_after([(8, 0)]).choose([8]) == 0
+
+
+def test_disable_by_batch_size_turns_drafts_off_while_many_run():
+    """vLLM's switch: no drafts are verified in a step that follows one with more than
+    ``disable_by_batch_size`` requests running; drafts come back as requests finish."""
+    tokens, steps = run_costed(a=0.01, b=0.0, disable_by_batch_size=3)
+    reference, _ = run_costed(a=0.01, b=0.0, adaptive=False)
+    assert tokens == reference
+    drafts = drafts_per_step(steps)
+    assert any(s.num_running > 3 for s in steps) and any(drafts)
+    for before, d in zip(steps, drafts[1:]):
+        if d:
+            assert before.num_running <= 3
+
+
 # -- the proposer and the configuration ------------------------------------------------
 @pytest.mark.parametrize("tokens, k, expected", [
     ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),        # suffix "1 2" occurred at the start
@@ -353,6 +450,8 @@ def test_ngram_proposer_minimum_and_cap():
     ({"num_speculative_tokens": 2, "prompt_lookup_mx": 3}, "unknown keys"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ("ngram", "must be a dict"),
+    ({"num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_bad_speculative_config_is_refused(value, message):
     with pytest.raises(ValidationError, match=message):
@@ -365,4 +464,5 @@ def test_speculative_config_flag_takes_json():
     args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     config = EngineConfig(**engine_kwargs(args))
     assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 3,
-                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+                                         "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                         "adaptive": True, "disable_by_batch_size": None}

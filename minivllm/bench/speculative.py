@@ -8,6 +8,9 @@ request at a time: ``max_num_seqs=1``) and with 32 requests at once:
   right (``minivllm.workload.copy_workload``);
 * chat: the standard chat workload (summarize, explain...), where few are.
 
+Besides fixed k, an "auto" row lets the engine choose up to 8 drafts each step from its
+measured step costs and acceptance (the default, ``"adaptive": True``).
+
 Each row: output tokens per second, mean end-to-end latency, acceptance rate, mean
 acceptance length, and whether the greedy tokens equal k = 0's (they must). Speed is a
 ratio against k = 0 measured in the same process, on the same loaded model.
@@ -23,17 +26,21 @@ from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.workload import WorkloadRequest, chat_workload, copy_workload
 
-KS = (0, 2, 4, 8)
+KS = (0, 2, 4, 8, "auto")
+"""Draft lengths compared: fixed k (``"adaptive": False``), and "auto", the engine's own
+choice each step of up to 8 drafts (``minivllm.spec_decode.draft_length``)."""
 
 
-def speculative_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer, ks: Sequence[int] = KS,
-                          max_num_seqs: int = 32, engine_kwargs: dict | None = None) -> list[dict]:
+def speculative_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
+                          ks: Sequence[int | str] = KS, max_num_seqs: int = 32,
+                          engine_kwargs: dict | None = None) -> list[dict]:
     """One row per k (k = 0: no speculation, the baseline every other row is compared
-    with). ``max_num_seqs`` 1 serves the requests one at a time."""
+    with; "auto": the engine chooses up to 8 per step). ``max_num_seqs`` 1 serves the
+    requests one at a time."""
     rows, base = [], None
     for k in ks:
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                "prompt_lookup_min": 1} if k else None
+        spec = {"method": "ngram", "num_speculative_tokens": 8 if k == "auto" else k,
+                "prompt_lookup_max": 4, "prompt_lookup_min": 1, "adaptive": k == "auto"} if k else None
         cfg = EngineConfig(log_stats_interval=None, max_num_seqs=max_num_seqs, speculative_config=spec,
                            **(engine_kwargs or {}))
         engine = LLMEngine(cfg, model, tokenizer)
