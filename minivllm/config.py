@@ -103,7 +103,7 @@ class EngineConfig:
         None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
               '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
-              'true: verify only as many drafts as its measured step costs say pay)')
+              'true: verify as many drafts as it measured to pay at this batch size)')
 
     def __post_init__(self) -> None:
         self.verify()
@@ -167,9 +167,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     """The shortest suffix n-gram that may match; below it nothing is proposed."""
     adaptive: bool = True
-    """minivllm's own key (vLLM has none like it): each step, verify only as many drafts
-    (0..k) as the engine's measured step costs and acceptance say pay
-    (``minivllm.spec_decode.draft_length``). False: always up to k."""
+    """minivllm's own key (vLLM has none like it): at each batch size, verify the number
+    of drafts (0, about k/2 or k) that the engine has measured to give the most tokens
+    per second (``minivllm.spec_decode.draft_length``). False: always up to k."""
     disable_by_batch_size: int | None = None
     """vLLM's key: no drafts at all while more than this many requests are running."""
 

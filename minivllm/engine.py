@@ -157,7 +157,8 @@ class LLMEngine:
         self.proposer: NgramProposer | None = None
         """Speculative decoding's draft proposer, None when it is off."""
         self.draft_length: AdaptiveDraftLength | None = None
-        """How many drafts pay this step (speculative_config "adaptive"), None when fixed."""
+        """Measures which draft length pays at each batch size (speculative_config
+        "adaptive"); None when the length is fixed."""
         self.spec_config: SpeculativeConfig | None = None
         if config.speculative_config is not None:
             spec = self.spec_config = SpeculativeConfig.parse(config.speculative_config)
@@ -259,7 +260,8 @@ class LLMEngine:
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
         if self.draft_length is not None:
-            self.draft_length.observe_step(scheduler_output.num_scheduled_tokens, result.model_time)
+            self.draft_length.observe_step(sum(n for _, n in got_token), result.model_time,
+                                           not any(s.is_prefill for s in scheduler_output.scheduled))
         if self.proposer is not None:
             self._propose_drafts(updated)
         if self._stat_logger is not None:
@@ -291,8 +293,6 @@ class LLMEngine:
             if s.spec_token_ids and isinstance(tokens, list):
                 accepted[s.request.request_id] = len(tokens) - 1
                 self.stats.spec_decoding.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
-                if self.draft_length is not None:
-                    self.draft_length.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
         return accepted
 
     def _propose_drafts(self, updated: list[Request]) -> None:
@@ -302,8 +302,9 @@ class LLMEngine:
         ``max_tokens - 1`` more, and no position past ``max_model_len``.
 
         Then all drafts are cut to one length for the step: none while more than
-        ``disable_by_batch_size`` requests run, else what ``self.draft_length`` measures
-        to pay (``minivllm.spec_decode.draft_length``), else the full k."""
+        ``disable_by_batch_size`` requests run, else the length ``self.draft_length``
+        has measured to give the most tokens per second at this batch size
+        (``minivllm.spec_decode.draft_length``), else the full k."""
         going_on = [r for r in updated if not r.is_finished]
         for request in going_on:
             room = self.max_model_len - request.num_tokens
@@ -315,7 +316,7 @@ class LLMEngine:
         if limit is not None and len(self.scheduler.running) > limit:
             k = 0
         elif self.draft_length is not None:
-            k = self.draft_length.choose([len(r.spec_token_ids) for r in going_on])
+            k = self.draft_length.choose(len(going_on))
         else:
             return
         for request in going_on:
