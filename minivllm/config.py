@@ -103,7 +103,7 @@ class EngineConfig:
         None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
               '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
-              'true: verify as many drafts as it measured to pay at this batch size)')
+              'false; true: verify as many drafts as it measured to pay at this batch size)')
 
     def __post_init__(self) -> None:
         self.verify()
@@ -166,10 +166,11 @@ class SpeculativeConfig:
     """The longest suffix n-gram looked up."""
     prompt_lookup_min: int = 1
     """The shortest suffix n-gram that may match; below it nothing is proposed."""
-    adaptive: bool = True
-    """minivllm's own key (vLLM has none like it): at each batch size, verify the number
-    of drafts (0, about k/2 or k) that the engine has measured to give the most tokens
-    per second (``minivllm.spec_decode.draft_length``). False: always up to k."""
+    adaptive: bool = False
+    """minivllm's own key (vLLM has none like it), off by default: at each batch size,
+    verify the number of drafts (0, about k/2 or k) that the engine has measured to give
+    the most tokens per second (``minivllm.spec_decode.draft_length``). False: always up
+    to k, as vLLM does."""
     disable_by_batch_size: int | None = None
     """vLLM's key: no drafts at all while more than this many requests are running."""
 
@@ -201,7 +202,7 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValidationError("prompt_lookup_min", f"prompt_lookup_min {lo} is more than "
                                   f"prompt_lookup_max {hi}", lo)
-        adaptive = check_bool("adaptive", value.get("adaptive", True))
+        adaptive = check_bool("adaptive", value.get("adaptive", False))
         disable = check_int("disable_by_batch_size", value.get("disable_by_batch_size"), minimum=1,
                             optional=True)
         return cls(method, k, hi, lo, adaptive, disable)

@@ -354,7 +354,7 @@ def run_costed(a: float, b: float, **spec) -> tuple[list[list[int]], list]:
     rng = random.Random(0)
     script = [5 + rng.randrange(4) for _ in range(200)]  # 5..8: clear of the end-of-sequence id
     config = EngineConfig(model="tiny", log_stats_interval=None, speculative_config={
-        "num_speculative_tokens": 4, "prompt_lookup_max": 2, **spec})
+        "num_speculative_tokens": 4, "prompt_lookup_max": 2, "adaptive": True, **spec})
     engine = LLMEngine(config, make_tiny_model("llama", vocab_size=16), None,
                        model_runner=CostedRunner(script, a, b))
     for i in range(8):
@@ -475,4 +475,4 @@ def test_speculative_config_flag_takes_json():
     config = EngineConfig(**engine_kwargs(args))
     assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-                                         "adaptive": True, "disable_by_batch_size": None}
+                                         "adaptive": False, "disable_by_batch_size": None}

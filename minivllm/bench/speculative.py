@@ -8,8 +8,9 @@ request at a time: ``max_num_seqs=1``) and with 32 requests at once:
   right (``minivllm.workload.copy_workload``);
 * chat: the standard chat workload (summarize, explain...), where few are.
 
-Besides fixed k, an "auto" row lets the engine choose up to 8 drafts each step from its
-measured step costs and acceptance (the default, ``"adaptive": True``).
+Besides fixed k, an "auto" row lets the engine choose up to 8 drafts each step, the
+length it measured to give the most tokens per second at that batch size
+(``"adaptive": True``).
 
 Each row: output tokens per second, mean end-to-end latency, acceptance rate, mean
 acceptance length, and whether the greedy tokens equal k = 0's (they must). Speed is a

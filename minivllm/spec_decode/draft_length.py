@@ -17,6 +17,9 @@ for the current band. A length never measured in a band is tried first, and ever
 workload that changes (its acceptance, its context lengths) is noticed.
 
 It is a small bandit: the price of knowing is an occasional step at the worse length.
+And a short run is a weak measurement: a band visited for a dozen steps has measured
+each length once or twice, and one noisy step can decide. That is why it is off by
+default (``"adaptive": True`` turns it on).
 Nothing in it is tuned to one machine; on a GPU, where verifying drafts is nearly free
 at any batch size, the same code keeps k everywhere.
 
