@@ -14,6 +14,9 @@ Under fcfs an interactive request queues behind every batch request that arrived
 it; under priority it is admitted at the next free seat. The table gives the interactive
 requests' TTFT p50/p99 and the batch job's output tokens per second (what it pays), each
 policy measured in the same process, so the ratio is the result, not the absolute times.
+The traces that :func:`priority_benchmark` returns are what
+``minivllm.viz.plot_priority_timeline`` draws (the benchmark itself draws nothing: viz
+already imports bench, so the arrow points one way).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from minivllm.bench.common import save_figure
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.metrics import percentile
@@ -114,10 +116,12 @@ def format_priority_table(rows: Sequence[dict]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench priority``: the same flood plus chat stream under fcfs and priority."""
+    import time
+
     from minivllm.bench.common import engine_settings
     from minivllm.model_loader import load_model
-    from minivllm.viz.timeline import plot_priority_timeline
 
+    t = time.perf_counter()
     model, tok = load_model(args.model)
     workload = priority_workload(tok, num_batch=args.num_requests or 16,
                                  num_interactive=args.num_interactive,
@@ -132,8 +136,5 @@ def main(args: argparse.Namespace) -> int:
     fcfs, prio = rows[0], rows[-1]
     print(f"interactive TTFT p50: {fcfs['interactive TTFT p50 s'] / prio['interactive TTFT p50 s']:.1f}x "
           f"lower with priority; batch tok/s: {prio['batch tok/s'] / fcfs['batch tok/s']:.2f}x of fcfs")
-    groups = {rid: request_group(rid) for rid in traces["priority"].requests}
-    for policy, trace in traces.items():
-        save_figure(plot_priority_timeline(trace, groups, title=f"scheduling_policy={policy!r}"),
-                    args.figures, f"priority_timeline_{policy}.png")
+    print(f"wall time, model load included: {time.perf_counter() - t:.0f} s")
     return 0 if all(r["same tokens"] for r in rows) else 1

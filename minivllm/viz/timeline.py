@@ -146,7 +146,7 @@ def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | N
         raise ValueError("no request of the trace is in groups: run the engine first, or "
                          "check the request ids")
     fig, ax = _new_axes(ax, TIMELINE_SIZE)
-    order = sorted(rids, key=lambda r: (trace.requests[r].arrival_time, r))
+    order = sorted(rids, key=lambda r: trace.requests[r].arrival_time)  # stable: ties in add order
     names = list(dict.fromkeys(groups[r] for r in order))
     color = {g: GROUP_COLORS[i % len(GROUP_COLORS)] for i, g in enumerate(names)}
     t0 = min(trace.requests[r].arrival_time for r in order)
