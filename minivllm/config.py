@@ -32,6 +32,7 @@ import torch
 
 from minivllm.attention import BACKENDS
 from minivllm.core.kv_cache_manager import cdiv
+from minivllm.core.scheduler import SCHEDULING_POLICIES
 from minivllm.exceptions import (
     ValidationError,
     ValidationTypeError,
@@ -70,6 +71,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(
         True, "cut long prompts into chunks that share steps with decodes")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
+    scheduling_policy: str = setting(
+        "fcfs", "'fcfs': first come, first served; 'priority': by each request's priority "
+                "(lower first, then arrival), and preemption takes the least important",
+        SCHEDULING_POLICIES)
     attention_backend: str | type = setting(
         "auto", "'torch' (the PyTorch reference), 'triton', 'auto' (Triton on CUDA, PyTorch "
                 "elsewhere), or an AttentionBackend class: a class, 'module:Class' or "

@@ -33,7 +33,7 @@ from minivllm.config import (
     resolve_device,
     size_kv_cache,
 )
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
@@ -132,6 +132,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.model_runner = model_runner or ModelRunner(
             self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
@@ -179,13 +180,15 @@ class LLMEngine:
         prompt: str | dict | ProcessedPrompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request. Anything that could never be served raises
         :class:`~minivllm.exceptions.ValidationError` (a ValueError; ``param`` names the
         field, the message the value and the limit); nothing is queued then. The checks
         are the :class:`~minivllm.processor.Processor`'s; a ``ProcessedPrompt`` (from
         ``self.processor``, e.g. on the async engine's tokenizer thread) is not
-        tokenized or checked again."""
+        tokenized or checked again. ``priority`` (lower runs first) needs
+        ``scheduling_policy="priority"``; any other value than 0 is refused under "fcfs"."""
         if not isinstance(request_id, str):
             raise ValidationTypeError(
                 "request_id", f"request_id must be a string, got {type(request_id).__name__}",
@@ -194,12 +197,13 @@ class LLMEngine:
             raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
                                   request_id)
         params = self.processor.check_params(params)
+        priority = check_priority(priority, self.config.scheduling_policy)
         arrival_time = check_float("arrival_time", arrival_time, optional=True)
         prompt = self.processor.process_prompt(prompt)
         self.processor.check_request(prompt, params)
         ids = prompt.prompt_token_ids
         request = Request(request_id, ids, params, self.clock() if arrival_time is None else arrival_time,
-                          self.eos_token_id, prompt.prompt)
+                          self.eos_token_id, prompt.prompt, priority)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                 params.min_tokens)
         self.scheduler.add_request(request)

@@ -91,6 +91,9 @@ class SamplingRequest(APIModel):
     """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
     user: str | None = None
     """An end-user id for the caller's own records; it changes nothing in the output."""
+    priority: int = 0
+    """vLLM's extension: lower runs first when the server runs with
+    ``--scheduling-policy priority``; anything but 0 is refused (400) otherwise."""
 
     presence_penalty: Any = unsupported(0)
     frequency_penalty: Any = unsupported(0)

@@ -46,8 +46,11 @@ class Request:
         arrival_time: float,
         eos_token_id: int | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
+        """Lower runs first, under the "priority" scheduling policy (ignored under "fcfs")."""
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

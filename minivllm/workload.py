@@ -68,6 +68,8 @@ class WorkloadRequest:
     """Seconds after the start of the run."""
     prompt: str | None = None
     """The user message, for display (None for token-only workloads)."""
+    priority: int = 0
+    """Lower runs first, on an engine with ``scheduling_policy="priority"``."""
 
     @property
     def num_prompt_tokens(self) -> int:

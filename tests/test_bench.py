@@ -8,6 +8,7 @@ from minivllm.bench import (
     TOOLS,
     chunked_prefill_benchmark,
     engine_overhead,
+    format_priority_table,
     kv_memory_report,
     latency_benchmark,
     linear_benchmark,
@@ -15,6 +16,8 @@ from minivllm.bench import (
     plot_latency_vs_rate,
     plot_memory,
     plot_throughput,
+    priority_benchmark,
+    priority_workload,
     throughput_benchmark,
 )
 from minivllm.engine import EngineConfig, LLMEngine
@@ -200,3 +203,20 @@ def test_speculative_benchmark_rows_keep_the_tokens():
     assert all(r["same tokens as k=0"] for r in rows)
     assert rows[0]["speedup"] == 1.0 and all(r["steps"] > 0 and r["out tok/s"] > 0 for r in rows)
     assert all(0 <= r["acceptance rate"] <= 1 for r in rows[1:])
+
+
+def test_priority_benchmark_runs_both_policies_with_the_same_tokens(tiny):
+    from minivllm.bench.priority import request_group
+
+    w = priority_workload(None, num_batch=6, num_interactive=4, interactive_rate=20.0, seed=0,
+                          batch_prompt_len=(30, 60), batch_output_len=(8, 16),
+                          interactive_prompt_len=(5, 10), interactive_output_len=(2, 4))
+    assert [r.arrival_time for r in w] == sorted(r.arrival_time for r in w)
+    assert {request_group(r.request_id): r.priority for r in w} == {"batch": 1, "interactive": 0}
+    rows, traces = priority_benchmark(w, tiny, None, engine_kwargs=dict(max_num_seqs=2))
+    assert [r["policy"] for r in rows] == ["fcfs", "priority"]
+    assert all(r["same tokens"] for r in rows)
+    assert all(r["interactive TTFT p99 s"] >= r["interactive TTFT p50 s"] > 0 for r in rows)
+    assert all(r["batch tok/s"] > 0 for r in rows)
+    assert set(traces) == {"fcfs", "priority"}
+    assert "interactive" in format_priority_table(rows)

@@ -241,3 +241,39 @@ def test_minivllm_serve_leaves_no_orphan(how):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_priority_crosses_into_the_core(offline):
+    """``priority`` travels in AddRequest: with one seat in the core, two requests that
+    wait behind a running one are served lower priority value first, though the less
+    important one was sent first; the tokens are the offline engine's."""
+    import concurrent.futures
+
+    app = build_app(**{**ENGINE, "max_num_seqs": 1}, scheduling_policy="priority")
+    assert app.state.engine.config.scheduling_policy == "priority"
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        wait_healthy(client)
+
+        def complete(prompt: str, priority: int, max_tokens: int) -> tuple[float, dict]:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "priority": priority}
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            return time.monotonic(), choice
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(complete, PROMPTS[0], 0, 48)  # holds the only seat
+            while scrape(client)[("minivllm:num_requests_running", ())] < 1:
+                time.sleep(0.02)
+            batch = pool.submit(complete, PROMPTS[1], 5, 4)
+            while scrape(client)[("minivllm:num_requests_waiting", ())] < 1:
+                time.sleep(0.02)
+            chat = pool.submit(complete, PROMPTS[2], -1, 4)
+            while scrape(client)[("minivllm:num_requests_waiting", ())] < 2:
+                assert not first.done(), "the first request finished before both others arrived"
+                time.sleep(0.02)
+            (_, a), (t_batch, b), (t_chat, c) = first.result(), batch.result(), chat.result()
+        assert t_chat < t_batch
+        assert a["finish_reason"] == b["finish_reason"] == c["finish_reason"] == "length"
+        assert c["text"] == offline["many"][2].text[:len(c["text"])]
+        refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "priority": 1.5})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"

@@ -56,7 +56,7 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     request_color,
 )
-from minivllm.viz.timeline import plot_request_timeline, request_spans
+from minivllm.viz.timeline import plot_priority_timeline, plot_request_timeline, request_spans
 
 __all__ = [
     "ARCHITECTURE_SIZE",
@@ -91,6 +91,7 @@ __all__ = [
     "plot_latency",
     "plot_process_split",
     "plot_memory_waste",
+    "plot_priority_timeline",
     "plot_request_timeline",
     "plot_spec_decode",
     "plot_steps",
