@@ -47,6 +47,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+LOGIT_LIMIT = 1e30
+"""Penalized logits are clipped to this magnitude: far beyond any real logit, and still
+finite in float32 after dividing by the smallest temperature (``SAMPLING_EPS``)."""
+
+
 def token_counts(token_ids: list[list[int]], vocab_size: int) -> torch.Tensor:
     """``[rows, vocab_size]``: how many times each token occurs in each row's list. The
     lists are padded to one width with ``vocab_size``, an id no token has, counted in a
@@ -72,16 +77,22 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]],
     * presence (OpenAI): minus the penalty once if the token is in the output at all.
     """
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype).unsqueeze(1)
+        return torch.tensor(values, dtype=torch.float64, device=logits.device).unsqueeze(1)
 
-    vocab = logits.shape[-1]
+    vocab, dtype = logits.shape[-1], logits.dtype
     out_counts = token_counts(output_ids, vocab).to(logits.device)
     seen = (token_counts(prompt_ids, vocab).to(logits.device) > 0) | (out_counts > 0)
+    # In float64, then back within +-LOGIT_LIMIT: any penalty > 0 is allowed (vLLM's
+    # rule), and 1e-300 would be 0 in float32 (a division by zero) or turn a logit into
+    # inf, and inf - inf in the softmax is NaN. Clipped, such a token is merely certain
+    # (or impossible), and the request samples instead of failing.
+    logits = logits.double()
     rep = column([p.repetition_penalty for p in params])
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     logits = logits - column([p.frequency_penalty for p in params]) * out_counts
-    return logits - column([p.presence_penalty for p in params]) * (out_counts > 0)
+    logits = logits - column([p.presence_penalty for p in params]) * (out_counts > 0)
+    return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT).to(dtype)
 
 
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],

@@ -266,6 +266,17 @@ def test_speculation_scores_drafts_with_the_same_penalties(tiny):
     assert all_blocks_free(with_spec)
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-30, 1e30, 1.7976931348623157e308])
+def test_extreme_repetition_penalties_sample_instead_of_failing(tiny, penalty):
+    """Any penalty > 0 is allowed (vLLM's rule); the schema fuzzer found that 5e-324 made
+    NaN logits (it is 0 in float32). Now a seen token is merely certain or impossible."""
+    llm = LLM(tiny, log_stats_interval=None)
+    params = [SamplingParams(temperature=t, max_tokens=6, ignore_eos=True, seed=1, repetition_penalty=penalty)
+              for t in (0.0, 1e-5, 0.5, 1e6)]
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3, 2, 1]}] * 4, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * 4, [o.outputs[0].error for o in outs]
+
+
 def test_logit_bias_token_outside_the_vocabulary_is_refused(tiny):
     llm = LLM(tiny, log_stats_interval=None)
     with pytest.raises(ValidationError) as info:
