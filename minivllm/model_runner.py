@@ -34,7 +34,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.request import Request
-from minivllm.sampler import Sampler, SamplingError
+from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
 
@@ -50,6 +50,23 @@ def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
     num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+
+def logits_contexts(requests: list[tuple[Request, list[int]]]
+                    ) -> tuple[list, list[list[int]], list[list[int]]]:
+    """Per logits row: the request's params, its prompt, and the tokens generated before
+    that row (a row that scores draft ``j`` comes after drafts ``0..j-1``). Empty lists
+    when no request uses logit_bias or penalties, so the others pay nothing."""
+    if not any(r.sampling_params.logit_bias or r.sampling_params.has_penalties
+               for r, _ in requests):
+        return [], [], []
+    params, prompts, outputs = [], [], []
+    for req, drafts in requests:
+        for j in range(len(drafts) + 1):
+            params.append(req.sampling_params)
+            prompts.append(req.prompt_token_ids)
+            outputs.append(req.output_token_ids + drafts[:j])
+    return params, prompts, outputs
 
 
 @dataclass
@@ -187,7 +204,9 @@ class ModelRunner:
                ) -> dict[str, int | list[int] | Exception]:
         """Requests without drafts go through the sampler together, one row each; a
         request with k drafts owns k + 1 consecutive rows and goes through the rejection
-        sampler."""
+        sampler. Both see the logits after ``logit_bias`` and the penalties
+        (:func:`~minivllm.sampler.apply_logits_processors`)."""
+        logits = apply_logits_processors(logits, *logits_contexts(requests))
         rows, plain, sampled = [], [], {}
         row = 0
         for req, drafts in requests:
