@@ -208,9 +208,10 @@ class AsyncLLMEngine:
         self.num_running = len(scheduler.running)
         self.kv_cache_usage = self.engine.kv_cache_manager.usage
 
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+             priority: int = 0) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, priority=priority)
             self._snapshot()
         finally:
             # Set operations are atomic under the GIL; a ``+= 1`` shared between two
@@ -274,8 +275,10 @@ class AsyncLLMEngine:
             self._wakeup.set()
 
     # -- the public API ---------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
-        """Queue a request and return the stream of its outputs.
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request and return the stream of its outputs (``priority``: lower runs
+        first, with ``scheduling_policy="priority"`` only).
 
         Raises :class:`EngineOverloadedError` when ``max_waiting`` requests wait,
         :class:`~minivllm.exceptions.ValidationError` (``param`` names the field) for
@@ -306,7 +309,7 @@ class AsyncLLMEngine:
             raise
         self._streams[request_id] = stream  # before the add: the first output may come soon
         try:
-            await self.call(self._add, request_id, engine_prompt, params)
+            await self.call(self._add, request_id, engine_prompt, params, priority)
         except (ValueError, TypeError):  # invalid input: nothing was queued
             stream.finished = True
             self._streams.pop(request_id, None)
@@ -319,12 +322,12 @@ class AsyncLLMEngine:
         self._wakeup.set()
         return stream
 
-    async def generate(self, request_id: str, prompt: Prompt,
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield the outputs of one request as the engine produces them (vLLM's
         ``AsyncLLM.generate``). If the consumer is cancelled, or closes the generator
         early, the request is aborted."""
-        stream = await self.add_request(request_id, prompt, params or SamplingParams())
+        stream = await self.add_request(request_id, prompt, params or SamplingParams(), priority)
         try:
             async for out in stream:
                 yield out

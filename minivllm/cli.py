@@ -10,7 +10,8 @@ from minivllm.config import EngineConfig, add_engine_arguments, engine_kwargs
 from minivllm.exceptions import ValidationError
 from minivllm.model_loader import DEFAULT_MODEL
 
-GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "device")
+GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "device",
+                     "speculative_config")
 """The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
 SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")
 """Every engine setting, except the trace's length: a server keeps its last 1000 steps."""

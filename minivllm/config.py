@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import json
 import types
 import typing
 from collections.abc import Iterable
@@ -31,6 +32,7 @@ import torch
 
 from minivllm.attention import BACKENDS
 from minivllm.core.kv_cache_manager import cdiv
+from minivllm.core.scheduler import SCHEDULING_POLICIES
 from minivllm.exceptions import (
     ValidationError,
     ValidationTypeError,
@@ -69,6 +71,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(
         True, "cut long prompts into chunks that share steps with decodes")
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of prompt prefixes seen before")
+    scheduling_policy: str = setting(
+        "fcfs", "'fcfs': first come, first served; 'priority': by each request's priority "
+                "(lower first, then arrival), and preemption takes the least important",
+        SCHEDULING_POLICIES)
     attention_backend: str | type = setting(
         "auto", "'torch' (the PyTorch reference), 'triton', 'auto' (Triton on CUDA, PyTorch "
                 "elsewhere), or an AttentionBackend class: a class, 'module:Class' or "
@@ -98,6 +104,11 @@ class EngineConfig:
     sampler_cls: str | type = setting(
         "minivllm.sampler:Sampler",
         "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    speculative_config: dict | None = setting(
+        None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
+              '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+              '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
+              'false; true: verify as many drafts as it measured to pay at this batch size)')
 
     def __post_init__(self) -> None:
         self.verify()
@@ -132,6 +143,8 @@ class EngineConfig:
                                          optional=True)
         self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,
                                               minimum=0, optional=True)
+        if self.speculative_config is not None:  # checked here, read as a SpeculativeConfig
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config).as_dict()
         for name in COMPONENT_FIELDS:
             spec = getattr(self, name)
             if name == "attention_backend" and spec in BACKENDS:
@@ -141,6 +154,66 @@ class EngineConfig:
                 raise ValidationTypeError(
                     name, f"{name} must be {names}a class, 'module:Class' or "
                           f"'path/to/file.py:Class', got {spec!r}", spec)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings, with vLLM's names (``vllm/config/speculative.py``).
+
+    Only the n-gram ("prompt lookup") method exists here: no draft model, the drafts are
+    copied from earlier in the request's own tokens (``minivllm.spec_decode.ngram_proposer``).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    """k: the most draft tokens proposed (and verified) per request per step."""
+    prompt_lookup_max: int = 4
+    """The longest suffix n-gram looked up."""
+    prompt_lookup_min: int = 1
+    """The shortest suffix n-gram that may match; below it nothing is proposed."""
+    adaptive: bool = False
+    """minivllm's own key (vLLM has none like it), off by default: at each batch size,
+    verify the number of drafts (0, about k/2 or k) that the engine has measured to give
+    the most tokens per second (``minivllm.spec_decode.draft_length``). False: always up
+    to k, as vLLM does."""
+    disable_by_batch_size: int | None = None
+    """vLLM's key: no drafts at all while more than this many requests are running."""
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig:
+        """From vLLM's dict form (or a SpeculativeConfig); every key checked, unknown ones
+        refused, so a typo is an error rather than a silently default setting."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValidationTypeError(
+                "speculative_config", f"speculative_config must be a dict such as "
+                f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}', value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError("speculative_config", f"speculative_config: unknown keys {unknown}; "
+                                  f"known: {sorted(known)}", value)
+        if "num_speculative_tokens" not in value:
+            raise ValidationError("speculative_config",
+                                  "speculative_config needs num_speculative_tokens", value)
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValidationError("speculative_config", f"speculative_config method must be 'ngram' "
+                                  f"(the only one minivllm has), got {method!r}", value)
+        k = check_int("num_speculative_tokens", value["num_speculative_tokens"], minimum=1)
+        hi = check_int("prompt_lookup_max", value.get("prompt_lookup_max", 4), minimum=1)
+        lo = check_int("prompt_lookup_min", value.get("prompt_lookup_min", 1), minimum=1)
+        if lo > hi:
+            raise ValidationError("prompt_lookup_min", f"prompt_lookup_min {lo} is more than "
+                                  f"prompt_lookup_max {hi}", lo)
+        adaptive = check_bool("adaptive", value.get("adaptive", False))
+        disable = check_int("disable_by_batch_size", value.get("disable_by_batch_size"), minimum=1,
+                            optional=True)
+        return cls(method, k, hi, lo, adaptive, disable)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "sampler_cls",
@@ -262,6 +335,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) 
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=help_text)
+        elif kind is dict:  # as vLLM: --speculative-config '{"method": "ngram", ...}'
+            parser.add_argument(flag, type=json.loads, default=f.default, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
                                 help=help_text)

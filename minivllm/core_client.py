@@ -43,6 +43,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
 from minivllm.config import COMPONENT_FIELDS, EngineConfig
+from minivllm.core.scheduler import check_priority
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine_core import (
     IDLE_POLL_MS,
@@ -285,22 +286,26 @@ class AsyncMPEngine(AsyncLLMEngine):
         self.processor.check_request(processed, params)
         return processed
 
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+             priority: int = 0) -> None:
         try:
             ids = prompt.prompt_token_ids
             self._states[request_id] = RequestState(
                 prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
                 RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
             self._to_core.send(self._encoder.encode(
-                AddRequest(request_id, list(ids), prompt.prompt, params)))
+                AddRequest(request_id, list(ids), prompt.prompt, params, priority)))
             self._num_sent += 1
         finally:
             self._adding.discard(request_id)
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        # Checked here, as the prompt is: a request the core would refuse is never sent.
+        check_priority(priority, self.config.scheduling_policy)
         if self.error is None:
             await self.wait_ready()
-        return await super().add_request(request_id, prompt, params)
+        return await super().add_request(request_id, prompt, params, priority)
 
     def _send_abort(self, request_ids: list[str]) -> None:
         if self.error is None and self._task is not None:

@@ -4,6 +4,7 @@ One call to :meth:`LLMEngine.step` is one iteration of continuous batching:
 
     schedule  ->  run the model on the packed batch  ->  append tokens, check stops
               ->  detokenize  ->  record the step in the trace  ->  RequestOutputs
+              (->  propose drafts for the next step, with speculative decoding on)
 
 Requests may be added or aborted between any two steps; that is what makes the batching
 *continuous*. Streaming is just calling ``step()`` and reading each output's
@@ -27,11 +28,12 @@ from minivllm.config import (
     DTYPES,
     EngineConfig,
     KVCacheSize,
+    SpeculativeConfig,
     load_component,
     resolve_device,
     size_kv_cache,
 )
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
@@ -42,6 +44,9 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.draft_length import AdaptiveDraftLength
+from minivllm.spec_decode.metrics import SpecDecodingStats
+from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
 
 logger = logging.getLogger("minivllm")
@@ -127,6 +132,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.model_runner = model_runner or ModelRunner(
             self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
@@ -149,6 +155,19 @@ class LLMEngine:
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
+        self.proposer: NgramProposer | None = None
+        """Speculative decoding's draft proposer, None when it is off."""
+        self.draft_length: AdaptiveDraftLength | None = None
+        """Measures which draft length pays at each batch size (speculative_config
+        "adaptive"); None when the length is fixed."""
+        self.spec_config: SpeculativeConfig | None = None
+        if config.speculative_config is not None:
+            spec = self.spec_config = SpeculativeConfig.parse(config.speculative_config)
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
+                                          spec.prompt_lookup_min)
+            self.stats.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
+            if spec.adaptive:
+                self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens)
         self._stat_logger = (
             LoggingStatLogger(config.log_stats_interval, self.clock())
             if config.log_stats_interval else None
@@ -161,13 +180,15 @@ class LLMEngine:
         prompt: str | dict | ProcessedPrompt,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request. Anything that could never be served raises
         :class:`~minivllm.exceptions.ValidationError` (a ValueError; ``param`` names the
         field, the message the value and the limit); nothing is queued then. The checks
         are the :class:`~minivllm.processor.Processor`'s; a ``ProcessedPrompt`` (from
         ``self.processor``, e.g. on the async engine's tokenizer thread) is not
-        tokenized or checked again."""
+        tokenized or checked again. ``priority`` (lower runs first) needs
+        ``scheduling_policy="priority"``; any other value than 0 is refused under "fcfs"."""
         if not isinstance(request_id, str):
             raise ValidationTypeError(
                 "request_id", f"request_id must be a string, got {type(request_id).__name__}",
@@ -176,12 +197,13 @@ class LLMEngine:
             raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
                                   request_id)
         params = self.processor.check_params(params)
+        priority = check_priority(priority, self.config.scheduling_policy)
         arrival_time = check_float("arrival_time", arrival_time, optional=True)
         prompt = self.processor.process_prompt(prompt)
         self.processor.check_request(prompt, params)
         ids = prompt.prompt_token_ids
         request = Request(request_id, ids, params, self.clock() if arrival_time is None else arrival_time,
-                          self.eos_token_id, prompt.prompt)
+                          self.eos_token_id, prompt.prompt, priority)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                 params.min_tokens)
         self.scheduler.add_request(request)
@@ -234,12 +256,18 @@ class LLMEngine:
         except BaseException:
             self._finished_outputs = outputs + self._finished_outputs
             raise
+        accepted = self._count_accepted(scheduler_output, result.sampled)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
         finished, got_token = self._process_outputs(updated, outputs)
         self.model_runner.remove_requests(finished)
-        self._record(scheduler_output, start, self.clock(), result.model_time, finished)
+        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted)
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
-                               got_token)
+                               [m for m, _ in got_token], [n for _, n in got_token])
+        if self.draft_length is not None:
+            self.draft_length.observe_step(sum(n for _, n in got_token), result.model_time,
+                                           not any(s.is_prefill for s in scheduler_output.scheduled))
+        if self.proposer is not None:
+            self._propose_drafts(updated)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
@@ -258,25 +286,67 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = None
             raise
 
+    # -- speculative decoding (minivllm.spec_decode) -------------------------------------
+    def _count_accepted(self, scheduler_output: SchedulerOutput,
+                        sampled: dict[str, int | list[int] | Exception]) -> dict[str, int]:
+        """Drafts accepted per request that had drafts this step (counted before stop
+        rules, as vLLM counts them), recorded in the metrics."""
+        accepted = {}
+        for s in scheduler_output.scheduled:
+            tokens = sampled.get(s.request.request_id)
+            if s.spec_token_ids and isinstance(tokens, list):
+                accepted[s.request.request_id] = len(tokens) - 1
+                self.stats.spec_decoding.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
+        return accepted
+
+    def _propose_drafts(self, updated: list[Request]) -> None:
+        """Drafts for each request that just got its tokens and goes on: the scheduler
+        will schedule them after its last token next step. Never more than could be
+        kept: one token of the target's own always follows the drafts, so at most
+        ``max_tokens - 1`` more, and no position past ``max_model_len``.
+
+        Then all drafts are cut to one length for the step: none while more than
+        ``disable_by_batch_size`` requests run, else the length ``self.draft_length``
+        has measured to give the most tokens per second at this batch size
+        (``minivllm.spec_decode.draft_length``), else the full k."""
+        going_on = [r for r in updated if not r.is_finished]
+        for request in going_on:
+            room = self.max_model_len - request.num_tokens
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+        limit = self.spec_config.disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) > limit:
+            k = 0
+        elif self.draft_length is not None:
+            k = self.draft_length.choose(len(going_on))
+        else:
+            return
+        for request in going_on:
+            del request.spec_token_ids[k:]
+
     def _process_outputs(self, updated: list[Request], outputs: list[RequestOutput]
-                         ) -> tuple[list[str], list[RequestMetrics]]:
+                         ) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:
         """Timestamps, text and stop strings of the requests that got a token (or an
         error) this step; their outputs are appended to ``outputs``. Returns the ids
-        that finished and the metrics of those that got a token."""
+        that finished and, for those that got tokens, their metrics and how many tokens
+        (several only with speculative decoding; they share one timestamp)."""
         now = self.clock()
         finished: list[str] = []
-        got_token: list[RequestMetrics] = []
+        got_token: list[tuple[RequestMetrics, int]] = []
         for request in updated:
             m = request.metrics
             if request.status is not RequestStatus.FINISHED_ERROR:  # it got a token
-                got_token.append(m)
-                m.token_times.append(now)
-                if m.first_token_time is None:
-                    m.first_token_time = now
                 try:
                     self._process_text(request)
                 except Exception as e:  # this request's text alone: finish it, not the step
                     self._fail(request, f"detokenization failed: {type(e).__name__}: {e}")
+                num_new = request.num_output_tokens - len(m.token_times)
+                got_token.append((m, num_new))
+                m.token_times.extend([now] * num_new)
+                if m.first_token_time is None:
+                    m.first_token_time = now
             if request.is_finished:
                 m.finished_time = now
                 finished.append(request.request_id)
@@ -295,12 +365,24 @@ class LLMEngine:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
 
     def _process_text(self, request: Request) -> None:
-        """Detokenize the new token; finish the request if it completed a stop string."""
+        """Detokenize the new tokens; finish the request if one completed a stop string.
+
+        Several tokens arrive at once with speculative decoding: a stop string completed
+        by one of them drops the tokens after it, so the output is exactly what one token
+        per step would have given."""
+        detokenizer = self._detokenizers[request.request_id]
+        new = request.output_token_ids[detokenizer.num_output_tokens:]
         stop_terminated = request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH
-        stop = self._detokenizers[request.request_id].update(request.output_token_ids[-1],
-                                                              stop_terminated)
-        if stop is None:
+        for i, token in enumerate(new):
+            stop = detokenizer.update(token, stop_terminated and i == len(new) - 1)
+            if stop is not None:
+                break
+        else:
             return
+        num_dropped = len(new) - 1 - i
+        if num_dropped:
+            del request.output_token_ids[-num_dropped:]
+            del request.all_token_ids[-num_dropped:]
         request.stop_reason = stop
         if request.is_finished:  # by length, this very token: its blocks are already free
             request.status = RequestStatus.FINISHED_STOPPED
@@ -333,7 +415,7 @@ class LLMEngine:
         )
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
-                finished: list[str]) -> None:
+                finished: list[str], accepted: dict[str, int]) -> None:
         kv = self.kv_cache_manager
         tables = {r.request_id: kv.get_block_ids(r.request_id) for r in self.scheduler.running}
         refs: dict[int, int] = {}
@@ -347,7 +429,8 @@ class LLMEngine:
                 end=end,
                 model_time=model_time,
                 scheduled=[
-                    ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill)
+                    ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill,
+                                   len(s.spec_token_ids), accepted.get(s.request.request_id, 0))
                     for s in scheduler_output.scheduled
                 ],
                 num_free_blocks=kv.block_pool.get_num_free_blocks(),

@@ -61,6 +61,8 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     prompt: str | None
     params: SamplingParams
+    priority: int = 0
+    """Lower runs first (``scheduling_policy="priority"``); the core's scheduler orders by it."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -171,7 +173,7 @@ class EngineCoreProc:
             try:
                 engine.add_request(message.request_id,
                                    ProcessedPrompt(message.prompt_token_ids, message.prompt),
-                                   message.params)
+                                   message.params, priority=message.priority)
                 self.num_sent[message.request_id] = 0
             except (ValueError, TypeError) as e:  # the server checked it; say so if it slipped
                 self.send(StepOutputs([EngineCoreOutput(message.request_id, [], "error", error=str(e))],

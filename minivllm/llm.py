@@ -51,6 +51,7 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "fcfs",
         attention_backend: str | type = "auto",
         linear_backend: str = "auto",
         dtype: str = "float32",
@@ -62,6 +63,7 @@ class LLM:
         kv_cache_manager_cls: str | type = "minivllm.core.kv_cache_manager:KVCacheManager",
         block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
         sampler_cls: str | type = "minivllm.sampler:Sampler",
+        speculative_config: dict | None = None,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -80,6 +82,7 @@ class LLM:
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
             attention_backend=attention_backend,
             linear_backend=linear_backend,
             dtype=dtype,
@@ -91,6 +94,7 @@ class LLM:
             kv_cache_manager_cls=kv_cache_manager_cls,
             block_pool_cls=block_pool_cls,
             sampler_cls=sampler_cls,
+            speculative_config=speculative_config,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)
@@ -116,8 +120,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order.
+
+        ``priority``: one integer per prompt (lower runs first), as vLLM takes it; only
+        with ``scheduling_policy="priority"`` (non-zero values are refused under "fcfs")."""
         check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, (str, dict, ProcessedPrompt)):
             prompts = [prompts]
@@ -139,26 +147,39 @@ class LLM:
             raise ValidationTypeError(
                 "sampling_params", f"sampling_params must be a SamplingParams or a list of them, "
                                    f"got {type(sampling_params).__name__}", sampling_params)
-        ids = self._add_all(prompts, params)
+        if priority is None:
+            priorities = [0] * len(prompts)
+        elif isinstance(priority, Sequence) and not isinstance(priority, str):
+            priorities = list(priority)
+            if len(priorities) != len(prompts):
+                raise ValidationError(
+                    "priority", f"got {len(prompts)} prompts but {len(priorities)} priorities; "
+                                "pass one priority per prompt", len(priorities))
+        else:
+            raise ValidationTypeError(
+                "priority", f"priority must be a list of integers, one per prompt, got "
+                            f"{type(priority).__name__}", priority)
+        ids = self._add_all(prompts, params, priorities)
         return self._run(ids, use_tqdm)
 
-    def _add(self, prompt: Prompt, params: SamplingParams | None) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | None, priority: int = 0) -> str:
         """Queue one request, with a buffer for its outputs."""
         rid = str(next(self._counter))
         self._outputs[rid] = deque()
         try:
-            self.llm_engine.add_request(rid, prompt, params)
+            self.llm_engine.add_request(rid, prompt, params, priority=priority)
         except BaseException:
             del self._outputs[rid]
             raise
         return rid
 
-    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[Prompt], params: list[SamplingParams],
+                 priorities: list[int]) -> list[str]:
         """Queue all or nothing: if one prompt is invalid, the ones before it are withdrawn."""
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self._add(prompt, p))
+            for prompt, p, priority in zip(prompts, params, priorities):
+                ids.append(self._add(prompt, p, priority))
         except Exception:
             if ids:
                 self._abort(ids)

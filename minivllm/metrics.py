@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minivllm.spec_decode.metrics import SpecDecodingStats
+
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100) of ``values``, NaN when there are none.
@@ -211,22 +213,31 @@ class EngineStats:
         self.prefill_time = _HistogramData(REQUEST_LATENCY_BUCKETS)
         self.decode_time = _HistogramData(REQUEST_LATENCY_BUCKETS)
         self.iteration_tokens = _HistogramData(ITERATION_TOKENS_BUCKETS)
+        self.spec_decoding: SpecDecodingStats | None = None
+        """Drafts and acceptances, when speculative decoding is on (the engine sets it)."""
 
     def record_step(self, num_tokens: int, num_preempted: int,
-                    got_token: list[RequestMetrics]) -> None:
+                    got_token: list[RequestMetrics], num_new_tokens: list[int] | None = None) -> None:
         """One engine step: ``num_tokens`` scheduled, ``num_preempted`` requests
-        preempted, and the metrics of every request that received a token."""
+        preempted, and the metrics of every request that received tokens:
+        ``num_new_tokens`` of them each (default 1; more with speculative decoding,
+        where the tokens of one step arrive together: inter-token latencies of 0)."""
         self.iteration_tokens.observe(num_tokens)
         self.num_preemptions += num_preempted
-        for m in got_token:
-            self.generation_tokens += 1
-            if len(m.token_times) == 1:
+        for i, m in enumerate(got_token):
+            n = num_new_tokens[i] if num_new_tokens is not None else 1
+            if n == 0:
+                continue
+            self.generation_tokens += n
+            if len(m.token_times) == n:
                 # vLLM counts a prompt once, when its prefill completes; a recompute
                 # after preemption does not count it again.
                 self.prompt_tokens += m.num_prompt_tokens
                 self.ttft.observe(m.first_token_time - m.arrival_time)
             else:
-                self.itl.observe(m.token_times[-1] - m.token_times[-2])
+                self.itl.observe(m.token_times[-n] - m.token_times[-n - 1])
+            for _ in range(n - 1):
+                self.itl.observe(0.0)
 
     def record_finished(self, m: RequestMetrics, finish_reason: str) -> None:
         self.request_success[finish_reason] = self.request_success.get(finish_reason, 0) + 1
@@ -259,6 +270,19 @@ class EngineStats:
             self.prefill_time.to_metric(p + "request_prefill_time_seconds"),
             self.decode_time.to_metric(p + "request_decode_time_seconds"),
             self.iteration_tokens.to_metric(p + "iteration_tokens_total"),
+            *self._spec_decoding_metrics(p),
+        ]
+
+    def _spec_decoding_metrics(self, p: str) -> list[Metric]:
+        sd = self.spec_decoding
+        if sd is None:
+            return []
+        return [
+            Counter(p + "spec_decode_num_drafts", sd.num_drafts),
+            Counter(p + "spec_decode_num_draft_tokens", sd.num_draft_tokens),
+            Counter(p + "spec_decode_num_accepted_tokens", sd.num_accepted_tokens),
+            *(Counter(p + "spec_decode_num_accepted_tokens_per_pos", n, {"position": str(i)})
+              for i, n in enumerate(sd.num_accepted_tokens_per_pos)),
         ]
 
 
@@ -276,6 +300,7 @@ class LoggingStatLogger:
         self.last_generation_tokens = 0
         self.last_queries = 0
         self.last_hits = 0
+        self.last_drafts = (0, 0, 0)
 
     def maybe_log(self, now: float, stats: EngineStats, sched: SchedulerStats) -> str | None:
         """Log (and return) the line if ``interval`` seconds have passed, else None."""
@@ -292,6 +317,13 @@ class LoggingStatLogger:
             f"GPU KV cache usage: {100 * sched.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        sd = stats.spec_decoding
+        if sd is not None:  # over the interval, as the other rates
+            now_drafts = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
+            drafts, draft_tokens, accepted = (a - b for a, b in zip(now_drafts, self.last_drafts))
+            self.last_drafts = now_drafts
+            line += (f", Draft acceptance rate: {100 * accepted / draft_tokens if draft_tokens else 0.0:.1f}%, "
+                     f"Mean acceptance length: {1 + accepted / drafts if drafts else 1.0:.2f}")
         logging.getLogger("minivllm").info(line)
         self.last_time = now
         self.last_prompt_tokens = stats.prompt_tokens

@@ -9,6 +9,11 @@ sequence starts in the flat batch (``query_start_loc``) and how long it is after
 function (``minivllm.attention``), which hands each layer's queries, keys and values to
 the attention backend in one call; logits are computed only at the last token of each
 request that samples this step: a prompt chunk that is not the last needs none.
+
+With speculative decoding (``minivllm.spec_decode``) a request's draft tokens follow its
+last token in the same flat batch, like a short prompt chunk; logits are kept at the
+last token and at every draft, and the rejection sampler turns those rows into the
+accepted drafts plus one token.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.request import Request
-from minivllm.sampler import Sampler
+from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
+from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
 
 def kv_cache_shape(config) -> tuple[int, int, int]:
@@ -46,11 +52,29 @@ def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
 
+def logits_contexts(requests: list[tuple[Request, list[int]]]
+                    ) -> tuple[list, list[list[int]], list[list[int]]]:
+    """Per logits row: the request's params, its prompt, and the tokens generated before
+    that row (a row that scores draft ``j`` comes after drafts ``0..j-1``). Empty lists
+    when no request uses logit_bias or penalties, so the others pay nothing."""
+    if not any(r.sampling_params.logit_bias or r.sampling_params.has_penalties
+               for r, _ in requests):
+        return [], [], []
+    params, prompts, outputs = [], [], []
+    for req, drafts in requests:
+        for j in range(len(drafts) + 1):
+            params.append(req.sampling_params)
+            prompts.append(req.prompt_token_ids)
+            outputs.append(req.output_token_ids + drafts[:j])
+    return params, prompts, outputs
+
+
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int | Exception]
+    sampled: dict[str, int | list[int] | Exception]
     """request_id -> new token, for the requests that sampled this step (or the error
-    that sampling that one request raised: the engine finishes it alone)."""
+    that sampling that one request raised: the engine finishes it alone). A request
+    that had drafts gets a list: its accepted drafts, then the target's token."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
 
@@ -85,6 +109,7 @@ class ModelRunner:
         ]
         self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
         self.sampler = sampler_cls(seed)
+        self.rejection_sampler = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}
         """request_id -> the private generator of a request with a seed (vLLM keeps them in
         its input batch). Made when the request first samples, dropped when it finishes
@@ -108,8 +133,12 @@ class ModelRunner:
             self.generators[request.request_id] = torch.Generator().manual_seed(seed)
         return self.generators[request.request_id]
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> tuple[dict, list[int], list]:
-        """Pack the scheduled tokens into flat model inputs and attention metadata."""
+    def prepare_inputs(self, scheduler_output: SchedulerOutput
+                       ) -> tuple[dict, list[int], list[tuple[Request, list[int]]]]:
+        """Pack the scheduled tokens into flat model inputs and attention metadata.
+
+        Also returns where logits are needed (``logits_indices``) and, in that order,
+        each sampling request with its drafts: it owns ``1 + len(drafts)`` rows."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -123,15 +152,17 @@ class ModelRunner:
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             table = self.kv_cache_manager.get_block_ids(req.request_id)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.all_token_ids[start : end - len(s.spec_token_ids)])
+            input_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(table)
             if s.samples:
-                logits_indices.append(len(input_ids) - 1)
-                samplers.append(req)
+                last = len(input_ids) - 1
+                logits_indices.extend(range(last - len(s.spec_token_ids), last + 1))
+                samplers.append((req, s.spec_token_ids))
         width = max(len(t) for t in tables)
         block_tables = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -164,13 +195,35 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             )
-        logits = out.logits[0]  # [num_sampling_requests, vocab]
-        tokens = self.sampler(
-            logits,
-            [r.sampling_params for r in requests],
-            [self._generator(r) for r in requests],
-        )
+        logits = out.logits[0]  # [len(logits_indices), vocab]
+        sampled = self.sample(logits, requests)
         model_time = time.perf_counter() - t0
-        return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(requests, tokens)}, model_time=model_time
-        )
+        return ModelRunnerOutput(sampled=sampled, model_time=model_time)
+
+    def sample(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]]
+               ) -> dict[str, int | list[int] | Exception]:
+        """Requests without drafts go through the sampler together, one row each; a
+        request with k drafts owns k + 1 consecutive rows and goes through the rejection
+        sampler. Both see the logits after ``logit_bias`` and the penalties
+        (:func:`~minivllm.sampler.apply_logits_processors`)."""
+        logits = apply_logits_processors(logits, *logits_contexts(requests))
+        rows, plain, sampled = [], [], {}
+        row = 0
+        for req, drafts in requests:
+            if not drafts:
+                rows.append(row)
+                plain.append(req)
+            else:
+                gen = self._generator(req) or self.sampler.generator
+                try:
+                    sampled[req.request_id] = self.rejection_sampler(
+                        logits[row : row + len(drafts) + 1], drafts, req.sampling_params, gen)
+                except Exception as e:  # isolated to this request, as in the sampler
+                    sampled[req.request_id] = e if isinstance(e, SamplingError) else SamplingError(
+                        f"sampling failed: {type(e).__name__}: {e}")
+            row += len(drafts) + 1
+        if plain:
+            tokens = self.sampler(logits[rows], [r.sampling_params for r in plain],
+                                  [self._generator(r) for r in plain])
+            sampled.update((r.request_id, t) for r, t in zip(plain, tokens))
+        return sampled

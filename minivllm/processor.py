@@ -103,6 +103,11 @@ class Processor:
             raise ValidationError(
                 "stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size}), got {bad_stops}",
                 bad_stops)
+        bad_bias = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad_bias:
+            raise ValidationError(
+                "logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad_bias}",
+                bad_bias)
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -4,10 +4,9 @@ What this layer checks is what JSON can get wrong: the shape of the body and the
 of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
 ``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
 are refused with a 400 naming them, and so are the OpenAI fields this server does not
-implement (penalties, ``logit_bias``, ``min_p``, ``response_format``, tools, ``best_of``,
-``suffix``, logprobs): a field that is accepted and silently ignored would change what a
+implement (``response_format``, tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
 client gets without telling it. Each unsupported field is accepted only with the value
-that asks for nothing (``presence_penalty: 0``, ``n: 1``, ...), which some clients send.
+that asks for nothing (``n: 1``, ``echo: false``, ...), which some clients send.
 
 Value *ranges* (temperature >= 0, top_p in (0, 1], ...) are published in the schema, from
 the constants in ``minivllm.sampling_params``, but checked by ``SamplingParams`` alone, so
@@ -91,12 +90,20 @@ class SamplingRequest(APIModel):
     """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
     user: str | None = None
     """An end-user id for the caller's own records; it changes nothing in the output."""
+    priority: int = 0
+    """vLLM's extension: lower runs first when the server runs with
+    ``--scheduling-policy priority``; anything but 0 is refused (400) otherwise."""
 
-    presence_penalty: Any = unsupported(0)
-    frequency_penalty: Any = unsupported(0)
-    repetition_penalty: Any = unsupported(1)
-    min_p: Any = unsupported(0)
-    logit_bias: Any = unsupported({})
+    presence_penalty: bounded(float, minimum=-2, maximum=2) = None
+    frequency_penalty: bounded(float, minimum=-2, maximum=2) = None
+    repetition_penalty: bounded(float, exclusiveMinimum=0) = None
+    """vLLM's extension (not OpenAI's): 1 is off."""
+    min_p: bounded(float, minimum=0, maximum=1) = None
+    """vLLM's extension (not OpenAI's): 0 is off."""
+    logit_bias: Annotated[dict[str, float], Field(json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})] | None = None
+    """OpenAI's: token id (a string, as JSON keys are) -> bias added to its logit."""
     response_format: Any = unsupported({"type": "text"})
 
     def check_supported(self) -> None:
@@ -126,6 +133,11 @@ class SamplingRequest(APIModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=self.logit_bias,
         )
 
 

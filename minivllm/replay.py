@@ -57,7 +57,8 @@ def replay_workload(
         now = clock()
         while pending is not None and t0 + pending.arrival_time <= now:
             engine.add_request(pending.request_id, {"prompt_token_ids": pending.prompt_token_ids},
-                               pending.sampling_params(), arrival_time=t0 + pending.arrival_time)
+                               pending.sampling_params(), arrival_time=t0 + pending.arrival_time,
+                               priority=pending.priority)
             added += 1
             pending = next(requests, None)
         if engine.has_unfinished_requests():

@@ -46,8 +46,11 @@ class Request:
         arrival_time: float,
         eos_token_id: int | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
+        """Lower runs first, under the "priority" scheduling policy (ignored under "fcfs")."""
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -60,6 +63,9 @@ class Request:
         self.error: str | None = None
         """What went wrong, when the request finished with status FINISHED_ERROR."""
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.spec_token_ids: list[int] = []
+        """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): not
+        part of the request's tokens until the target model accepts them."""
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
         # No tensors here, not even a seeded request's random generator: the model runner

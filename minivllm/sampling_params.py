@@ -14,6 +14,7 @@ schema (``minivllm.protocol``) but leaves the checking to this class.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from minivllm.exceptions import (
@@ -53,6 +54,21 @@ class SamplingParams:
     """Keep generating past the end-of-sequence token (benchmarks use this)."""
     seed: int | None = None
     """Per-request random seed: same seed, same output, whatever else is in the batch."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated; in [-2, 2]
+    (OpenAI's). Positive values push the model towards new tokens."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated; in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """Tokens already seen in the prompt *or* the output have their logit divided by this
+    when positive, multiplied when negative (so > 1 always makes them less likely); > 0,
+    1 is off (the CTRL paper's penalty, as in transformers)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability (after temperature) is below min_p times the most
+    likely token's; in [0, 1], 0 is off. Random sampling only: greedy is unchanged."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> a number in [-100, 100] added to that token's logit before anything else
+    (OpenAI's); -100 all but bans a token, 100 all but forces it."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -83,6 +99,23 @@ class SamplingParams:
         self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
         self.seed = check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX, optional=True)
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty,
+                                            minimum=-2, maximum=2)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty,
+                                             minimum=-2, maximum=2)
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValidationError(
+                "repetition_penalty", f"repetition_penalty must be > 0 (1 is off), got "
+                                      f"{self.repetition_penalty}", self.repetition_penalty)
+        self.min_p = check_float("min_p", self.min_p, minimum=0, maximum=1)
+        self.logit_bias = _check_logit_bias(self.logit_bias)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (the sampler skips them otherwise)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +141,27 @@ def _check_stop(stop: object) -> list[str]:
         if not s:
             raise ValidationError("stop", "stop strings must be non-empty", s)
     return list(stop)
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """A dict of token id (an int, or a string of one: JSON keys are strings) to a bias in
+    [-100, 100]. OpenAI refuses a bias outside that range, and so do we (vLLM clamps it
+    silently). Token ids are checked against the vocabulary when the request is added."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValidationTypeError(
+            "logit_bias", f"logit_bias must be a dict of token id to bias, got "
+                          f"{type(bias).__name__}", bias)
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValidationError(
+                "logit_bias", f"logit_bias keys must be token ids (integers >= 0, or strings "
+                              f"of them), got {key!r}", key)
+        out[int(token)] = check_float("logit_bias", value, minimum=-100, maximum=100)
+    return out
 
 
 def _check_token_ids(param: str, ids: object) -> list[int]:

@@ -70,9 +70,10 @@ class OpenAIServing:
             raise invalid_request(e) from None
 
     async def start(self, prompt: Any, params: SamplingParams, prefix: str,
-                    prompt_field: str) -> RequestStream:
+                    prompt_field: str, priority: int = 0) -> RequestStream:
         try:
-            return await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params)
+            return await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params,
+                                                 priority)
         except EngineOverloadedError as e:
             raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
         except (ValueError, TypeError) as e:
@@ -97,7 +98,7 @@ class OpenAIServing:
             prompt = body.engine_prompt()
         except ValidationError as e:
             raise invalid_request(e) from None
-        stream = await self.start(prompt, params, "cmpl", "prompt")
+        stream = await self.start(prompt, params, "cmpl", "prompt", body.priority)
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
@@ -126,7 +127,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = self._chat_sampling_params(body)
         messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
-        stream = await self.start(messages, params, "chatcmpl", "messages")
+        stream = await self.start(messages, params, "chatcmpl", "messages", body.priority)
         head = {"id": stream.request_id, "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:

@@ -24,6 +24,10 @@ class ScheduledChunk:
     """Tokens already cached before this step: the chunk covers the positions after it."""
     is_prefill: bool
     """Prompt (chunk) or recompute after preemption; False for a one-token decode."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens scored after the last token (in num_new_tokens)."""
+    num_accepted_tokens: int = 0
+    """Of those drafts, how many the target accepted (the step also gave one token more)."""
 
 
 @dataclass

@@ -68,6 +68,8 @@ class WorkloadRequest:
     """Seconds after the start of the run."""
     prompt: str | None = None
     """The user message, for display (None for token-only workloads)."""
+    priority: int = 0
+    """Lower runs first, on an engine with ``scheduling_policy="priority"``."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -218,6 +220,33 @@ def chat_workload(
     """The standard "32-request chat workload" of the issues and notebooks: prompts of
     20-300 tokens, 16-128 output tokens each, all arriving at once (greedy, ignore_eos)."""
     return make_workload(tokenizer, n, seed, prompt_len=prompt_len, output_len=output_len, **kwargs)
+
+
+COPY_INSTRUCTION = "Repeat the following text exactly, word for word, and nothing else:\n\n"
+
+
+def copy_workload(
+    tokenizer: PreTrainedTokenizerBase,
+    n: int = 32,
+    seed: int = 0,
+    text_len: tuple[int, int] = (60, 160),
+) -> list[WorkloadRequest]:
+    """Requests whose answers copy from the prompt: "repeat this text" over a stretch of
+    standard-library documentation (code examples included) of ``text_len`` tokens, and
+    as many output tokens as the text has. Where speculative decoding's n-gram drafts
+    pay best (``minivllm bench speculative``); all arrive at once (greedy, ignore_eos)."""
+    rng = random.Random(seed)
+    template = _ChatTemplate(tokenizer)
+    system_ids = tokenizer.encode(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)
+    instruction = tokenizer.encode(COPY_INSTRUCTION, add_special_tokens=False)
+    docs = [d for d in _corpus_token_ids(tokenizer) if len(d) >= text_len[0]]
+    out = []
+    for i in range(n):
+        doc = rng.choice(docs)
+        text = list(doc[: rng.randint(text_len[0], min(text_len[1], len(doc)))])
+        ids = template.ids(list(system_ids), instruction + text)
+        out.append(WorkloadRequest(str(i), ids, len(text), 0.0, tokenizer.decode(instruction + text)))
+    return out
 
 
 def summarize(workload: list[WorkloadRequest]) -> dict[str, float]:

@@ -8,6 +8,7 @@ from minivllm.bench import (
     TOOLS,
     chunked_prefill_benchmark,
     engine_overhead,
+    format_priority_table,
     kv_memory_report,
     latency_benchmark,
     linear_benchmark,
@@ -15,6 +16,8 @@ from minivllm.bench import (
     plot_latency_vs_rate,
     plot_memory,
     plot_throughput,
+    priority_benchmark,
+    priority_workload,
     throughput_benchmark,
 )
 from minivllm.engine import EngineConfig, LLMEngine
@@ -182,3 +185,38 @@ def test_prefix_caching_benchmark_saves_prefill_work(tiny):
     # Every request after the first finds the 32 shared tokens (4 full blocks) cached.
     assert on["prompt tokens computed"] <= on["prompt tokens"] - 5 * 32
     assert on["hit rate"] > 0 and on["same outputs"] and off["same outputs"]
+
+
+def test_speculative_benchmark_rows_keep_the_tokens():
+    """Every row of ``bench speculative`` (fixed k and the engine's own choice) serves the
+    copy workload with the same greedy tokens as k = 0, and says so."""
+    from tiny_chat import tiny_chat_llm
+
+    from minivllm.bench.speculative import KS, speculative_benchmark
+    from minivllm.workload import copy_workload
+
+    llm = tiny_chat_llm()
+    tokenizer = llm.llm_engine.tokenizer
+    workload = copy_workload(tokenizer, 3, seed=0, text_len=(20, 30))
+    rows = speculative_benchmark(workload, llm.llm_engine.model, tokenizer, KS, max_num_seqs=3)
+    assert [r["k"] for r in rows] == list(KS)
+    assert all(r["same tokens as k=0"] for r in rows)
+    assert rows[0]["speedup"] == 1.0 and all(r["steps"] > 0 and r["out tok/s"] > 0 for r in rows)
+    assert all(0 <= r["acceptance rate"] <= 1 for r in rows[1:])
+
+
+def test_priority_benchmark_runs_both_policies_with_the_same_tokens(tiny):
+    from minivllm.bench.priority import request_group
+
+    w = priority_workload(None, num_batch=6, num_interactive=4, interactive_rate=20.0, seed=0,
+                          batch_prompt_len=(30, 60), batch_output_len=(8, 16),
+                          interactive_prompt_len=(5, 10), interactive_output_len=(2, 4))
+    assert [r.arrival_time for r in w] == sorted(r.arrival_time for r in w)
+    assert {request_group(r.request_id): r.priority for r in w} == {"batch": 1, "interactive": 0}
+    rows, traces = priority_benchmark(w, tiny, None, engine_kwargs=dict(max_num_seqs=2))
+    assert [r["policy"] for r in rows] == ["fcfs", "priority"]
+    assert all(r["same tokens"] for r in rows)
+    assert all(r["interactive TTFT p99 s"] >= r["interactive TTFT p50 s"] > 0 for r in rows)
+    assert all(r["batch tok/s"] > 0 for r in rows)
+    assert set(traces) == {"fcfs", "priority"}
+    assert "interactive" in format_priority_table(rows)

@@ -135,7 +135,7 @@ async def hostile(http) -> dict[str, int]:
         ("nan string", {"prompt": "hi", "temperature": "NaN"}),
         ("top_p 0", {"prompt": "hi", "top_p": 0}),
         ("seed 2^64", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}),
-        ("penalty", {"prompt": "hi", "presence_penalty": 1.5}),
+        ("penalty", {"prompt": "hi", "presence_penalty": 2.5}),
         ("image", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
         ("text part 5", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
         ("900 KB prompt", {"prompt": "word " * 180_000, "max_tokens": 4}),

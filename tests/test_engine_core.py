@@ -36,6 +36,11 @@ TIMEOUT = 60.0
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(16)]
 ENGINE = {"max_num_seqs": 8, "log_stats_interval": None}
+COPY = ("Repeat this list exactly: red, green, blue, red, green, blue, red, green, blue, "
+        "red, green, blue, red, green,")
+"""A prompt whose greedy continuation copies from itself: n-gram drafts get accepted."""
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "adaptive": False}
 
 
 def wait_healthy(client: httpx.Client, timeout: float = 120.0) -> list[int]:
@@ -71,7 +76,8 @@ def offline() -> dict:
     stop = SamplingParams(temperature=0.0, max_tokens=24, stop=[" is"])
     many = llm.generate(PROMPTS, [stop if i % 2 else SamplingParams(temperature=0.0, max_tokens=12)
                                   for i in range(len(PROMPTS))], use_tqdm=False)
-    return {"chat": chat.outputs[0], "many": [o.outputs[0] for o in many]}
+    copy = llm.generate(COPY, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0]
+    return {"chat": chat.outputs[0], "many": [o.outputs[0] for o in many], "copy": copy.outputs[0]}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +154,34 @@ def test_bad_input_is_refused_before_the_core(split):
     assert [after[k] for k in ended] == [before[k] for k in ended]
 
 
+def test_speculative_config_crosses_into_the_core(offline):
+    """The config is pickled into the spawned core: speculation runs there (its metrics
+    exist and count accepted drafts), several tokens per step reach the server's
+    detokenizer, and the greedy tokens are those of the offline engine without it."""
+    app = build_app(**ENGINE, speculative_config=SPEC)
+    assert app.state.engine.config.speculative_config == SPEC
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        wait_healthy(client)
+        body = {"prompt": COPY, "max_tokens": 32, "temperature": 0}
+        choice = client.post("/v1/completions", json={**body, "return_token_ids": True}).json()["choices"][0]
+        assert choice["token_ids"] == offline["copy"].token_ids
+        assert choice["text"] == offline["copy"].text
+        text = ""
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == offline["copy"].text
+        m = wait_until_idle(client)
+    spec = {k[0].removeprefix("minivllm:spec_decode_").removesuffix("_total"): v
+            for k, v in m.items() if k[0].startswith("minivllm:spec_decode_") and not k[1]}
+    assert spec.keys() == {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}, m.keys()
+    assert spec["num_drafts"] > 0 and 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    per_pos = [m[("minivllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),))]
+               for i in range(SPEC["num_speculative_tokens"])]
+    assert sum(per_pos) == spec["num_accepted_tokens"]
+
+
 def test_killed_core_gives_clear_errors_and_health_500(offline):
     app = build_app(**ENGINE)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
@@ -207,3 +241,39 @@ def test_minivllm_serve_leaves_no_orphan(how):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_priority_crosses_into_the_core(offline):
+    """``priority`` travels in AddRequest: with one seat in the core, two requests that
+    wait behind a running one are served lower priority value first, though the less
+    important one was sent first; the tokens are the offline engine's."""
+    import concurrent.futures
+
+    app = build_app(**{**ENGINE, "max_num_seqs": 1}, scheduling_policy="priority")
+    assert app.state.engine.config.scheduling_policy == "priority"
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        wait_healthy(client)
+
+        def complete(prompt: str, priority: int, max_tokens: int) -> tuple[float, dict]:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                    "priority": priority}
+            choice = client.post("/v1/completions", json=body).json()["choices"][0]
+            return time.monotonic(), choice
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            first = pool.submit(complete, PROMPTS[0], 0, 48)  # holds the only seat
+            while scrape(client)[("minivllm:num_requests_running", ())] < 1:
+                time.sleep(0.02)
+            batch = pool.submit(complete, PROMPTS[1], 5, 4)
+            while scrape(client)[("minivllm:num_requests_waiting", ())] < 1:
+                time.sleep(0.02)
+            chat = pool.submit(complete, PROMPTS[2], -1, 4)
+            while scrape(client)[("minivllm:num_requests_waiting", ())] < 2:
+                assert not first.done(), "the first request finished before both others arrived"
+                time.sleep(0.02)
+            (_, a), (t_batch, b), (t_chat, c) = first.result(), batch.result(), chat.result()
+        assert t_chat < t_batch
+        assert a["finish_reason"] == b["finish_reason"] == c["finish_reason"] == "length"
+        assert c["text"] == offline["many"][2].text[:len(c["text"])]
+        refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "priority": 1.5})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"

@@ -227,6 +227,18 @@ def test_build_requirements_are_pyprojects(pyproject: dict) -> None:
     assert install.build_requirements() == pyproject["build-system"]["requires"]
 
 
+def test_every_subpackage_is_listed_for_the_wheel(pyproject: dict) -> None:
+    """[tool.setuptools] packages is an explicit list: a package folder missing from it
+    installs fine in editable mode and is silently left out of a wheel."""
+    setuptools = pyproject["tool"]["setuptools"]
+    mapped = setuptools.get("package-dir", {})  # e.g. minivllm.kernels lives in kernels/
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts)
+               for p in (ROOT / "minivllm").rglob("__init__.py")}
+    on_disk |= {name for name, folder in mapped.items() if (ROOT / folder / "__init__.py").is_file()}
+    assert "minivllm.spec_decode" in on_disk
+    assert set(setuptools["packages"]) == on_disk
+
+
 def test_pinned_torch_satisfies_pyproject_and_is_the_one_the_docs_name(pyproject: dict) -> None:
     torch_req = next(
         Requirement(r) for r in pyproject["project"]["dependencies"] if r.startswith("torch")

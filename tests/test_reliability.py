@@ -58,6 +58,11 @@ SAMPLING_CASES = [
     *[("stop_token_ids", v) for v in ([-1], [1.5], [True], "1", 5, [None])],
     *[("ignore_eos", v) for v in (1, 0, "true", None)],
     *[("seed", v) for v in (1.0, "1", True, 2**64, 2**63, -(2**63) - 1, NAN)],
+    *[("presence_penalty", v) for v in (2.5, -2.5, NAN, "1", None)],
+    *[("frequency_penalty", v) for v in (INF, 3, True)],
+    *[("repetition_penalty", v) for v in (0, -1, NAN, "1.2")],
+    *[("min_p", v) for v in (-0.1, 1.01, NAN)],
+    *[("logit_bias", v) for v in ({1: 101}, {1: NAN}, {"x": 1}, {-1: 1}, [1], {1: None})],
 ]
 EXTRA_SAMPLING_CASES = [  # (kwargs, param): combinations
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),

@@ -117,6 +117,25 @@ def test_openai_client_chat_and_stream_match_offline(server, offline):
     assert reasons[-1] == want.finish_reason and not any(reasons[:-1])
 
 
+def test_openai_client_penalties_break_smollm2s_loop(server):
+    """SmolLM2 greedy loops on this prompt ("I'm a big apple." again and again); the
+    penalties a user reaches for break the loop (issue 20)."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+
+    def distinct(**kw) -> tuple[int, int]:
+        r = client.completions.create(model=None, prompt="I like apples. I like apples. I like",
+                                      max_tokens=48, temperature=0,
+                                      extra_body={"return_token_ids": True, **kw.pop("extra_body", {})},
+                                      **kw)
+        ids = r.choices[0].token_ids
+        return len(set(ids)), len(ids)
+
+    looping, n = distinct()
+    assert n == 48 and looping < 12, (looping, n)
+    assert distinct(presence_penalty=1.0)[0] > 2 * looping
+    assert distinct(extra_body={"repetition_penalty": 1.3})[0] > 2 * looping
+
+
 def test_streamed_completion_is_sse_ending_with_done(client, offline):
     body = {"prompt": PROMPTS[3], "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}

@@ -93,8 +93,10 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
             "stream": ["yes", 1],
             "return_token_ids": [1],
             "user": [5],
-            "presence_penalty": [0.5, -2], "frequency_penalty": [1], "repetition_penalty": [1.2],
-            "min_p": [0.1], "logit_bias": [{"1": 5}], "response_format": [{"type": "json_object"}],
+            "presence_penalty": [2.5, -3, "1", True], "frequency_penalty": [-2.5, "0"],
+            "repetition_penalty": [0, -1, "1.2"], "min_p": [-0.1, 1.5, "0.1"],
+            "logit_bias": [{"1": 101}, {"1": -100.5}, {"x": 5}, {"-1": 5}, {"1": "5"}, [1], {"99999": 1}],
+            "response_format": [{"type": "json_object"}],
             "temprature": [0.5],  # a typo is an unknown field, not a silent default
         }
         for field, values in field_values.items():

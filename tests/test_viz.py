@@ -426,3 +426,35 @@ def test_process_split_draws_both_processes_and_each_message():
     assert heads == {"message:AddRequest": True, "message:Abort": True, "message:StepOutputs": False}
     for path in ("minivllm/engine_core.py", "minivllm/core_client.py", "minivllm/server.py"):
         assert any(path in t.get_text() for t in ax.texts) and (root / path).exists()
+
+
+def test_priority_timeline_bars_come_from_the_metrics(tiny_model):
+    # 6 blocks of 4 tokens, three requests growing to 16 tokens: preemption, under the
+    # priority policy ("0" is the important one, so never the victim).
+    llm = LLM(tiny_model, log_stats_interval=None, block_size=4, num_kv_blocks=6,
+              scheduling_policy="priority")
+    prompts = [{"prompt_token_ids": [100 + 10 * i + j for j in range(6)]} for i in range(3)]
+    llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False,
+                 priority=[0, 1, 1])
+    trace = llm.trace
+    groups = {"0": "interactive", "1": "batch", "2": "batch"}
+    fig = viz.plot_priority_timeline(trace, groups)
+    ax = fig.axes[0]
+    bars = {c.get_gid(): c for c in ax.collections if c.get_gid()}
+    t0 = min(m.arrival_time for m in trace.requests.values())
+    for rid, m in trace.requests.items():
+        path = bars[f"ttft:{rid}"].get_paths()[0].vertices
+        assert (path[:, 0].min(), path[:, 0].max()) == pytest.approx(
+            (m.arrival_time - t0, m.first_token_time - t0))
+        path = bars[f"output:{rid}"].get_paths()[0].vertices
+        assert (path[:, 0].min(), path[:, 0].max()) == pytest.approx(
+            (m.first_token_time - t0, m.finished_time - t0))
+    # Colour by group: both batch requests share one, the interactive one has another.
+    color = {rid: tuple(bars[f"output:{rid}"].get_facecolor()[0]) for rid in groups}
+    assert color["1"] == color["2"] != color["0"]
+    victims = {rid for s in trace.steps for rid in s.preempted}
+    assert victims and "0" not in victims
+    assert {g.split(":")[1] for g in bars if g.startswith("preempted:")} == victims
+    assert viz.plot_priority_timeline(trace, groups, ax=ax) is fig
+    with pytest.raises(ValueError, match="groups"):
+        viz.plot_priority_timeline(trace, {"nobody": "batch"})

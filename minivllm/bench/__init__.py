@@ -15,6 +15,9 @@ mode, as in vLLM's ``vllm/benchmarks/``:
   arithmetic on the workload (notebook 03).
 - ``prefix`` (:mod:`.prefix_caching`): the same workload with prefix caching on and off
   (notebook 07).
+- ``priority`` (:mod:`.priority`): interactive chat requests at a steady rate while a
+  batch job floods the queue, under ``scheduling_policy`` "fcfs" and "priority":
+  interactive TTFT p50/p99 and batch throughput.
 - ``linear`` (:mod:`.linear`): the model's linear layers through ``nn.Linear`` and
   through oneDNN (notebook 01).
 - ``roofline`` (:mod:`.roofline`): the machine's float32 GEMM peak and memory bandwidth,
@@ -41,6 +44,7 @@ from minivllm.bench.latency import (
 from minivllm.bench.linear import linear_benchmark
 from minivllm.bench.memory import format_memory_report, kv_memory_report, kv_slots_held, plot_memory
 from minivllm.bench.prefix_caching import prefix_caching_benchmark
+from minivllm.bench.priority import format_priority_table, priority_benchmark, priority_workload
 from minivllm.bench.simulate import format_simulation
 from minivllm.bench.throughput import (
     ThroughputReport,
@@ -63,7 +67,8 @@ from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
 __all__ = [
     "TOOLS", "TOOL_LABELS", "ToolResult", "ThroughputReport", "ReplayResult", "LatencyPoint",
     "ChunkedPrefillResult", "chunked_prefill_benchmark", "engine_overhead", "fit_simulator",
-    "format_latency_table", "format_memory_report", "format_simulation", "kv_memory_report",
+    "format_latency_table", "format_memory_report", "format_priority_table", "priority_benchmark",
+    "priority_workload", "format_simulation", "kv_memory_report",
     "kv_slots_held", "latency_benchmark", "latency_point", "linear_benchmark", "load_tokenizer",
     "plot_chunked_prefill", "plot_cost_model_fit", "plot_latency_vs_rate", "plot_memory",
     "plot_throughput", "prefix_caching_benchmark", "replay_workload", "run_hf_continuous",

@@ -16,9 +16,11 @@ from minivllm.bench import (
     linear,
     memory,
     prefix_caching,
+    priority,
     roofline,
     serve,
     simulate,
+    speculative,
     throughput,
 )
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
@@ -31,6 +33,8 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "memory": memory.main,
     "prefix": prefix_caching.main,
     "linear": linear.main,
+    "speculative": speculative.main,
+    "priority": priority.main,
     "roofline": roofline.main,
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
@@ -54,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="memory: the contiguous reservation per request (not an engine setting)")
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
+    parser.add_argument("--workloads", default="copy,chat", help="speculative: which workloads (copy, chat)")
+    parser.add_argument("--num-interactive", type=int, default=12,
+                        help="priority: interactive chat requests in the steady stream")
+    parser.add_argument("--interactive-rate", type=float, default=1.0,
+                        help="priority: interactive requests per second, while the batch job runs")
     parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
     parser.add_argument("--concurrencies", default="1,8,32", help="serve: client concurrencies")
     parser.add_argument("--serve-rates", default="",

@@ -156,6 +156,16 @@ class KVCacheManager:
         if cached is not None:
             self.num_cached_blocks[request.request_id] = min(cached, first)
 
+    def free_tail_blocks(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past the first ``num_tokens`` tokens (those of
+        rejected draft tokens, speculative decoding). Tail blocks are never prefix-cached
+        or shared, so they go straight back to the free queue."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        keep = cdiv(num_tokens, self.block_size)
+        if len(blocks) > keep:
+            tail, blocks[keep:] = blocks[keep:], []
+            self.block_pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release a request's blocks. Tail blocks are freed first so they are evicted
         first: a later request is likelier to share a prefix than a tail."""

@@ -16,15 +16,61 @@ vLLM V1's policy, in about a hundred lines (notebooks 04, 06, 08):
    and ``max_num_seqs`` allow. Prefix-cache hits are adopted here.
 
 The scheduler never touches tensors; the model runner never makes policy.
+
+Scheduling policy (``scheduling_policy``, vLLM's ``--scheduling-policy``). A server
+rarely sees one kind of traffic. A person typing in a chat window waits for the first
+token; a batch job (an overnight evaluation, embedding a document store) waits only for
+the last one, hours away. Under ``"fcfs"`` they queue together, so one batch job of a
+thousand long prompts puts every chat request behind a thousand prefills. Under
+``"priority"`` each request carries an integer ``priority`` (lower runs first; vLLM's
+convention) and the policy changes exactly two decisions, both in this file:
+
+* *Who is admitted next*: the waiting queue is kept ordered by (priority, arrival), so
+  an interactive request (priority 0, say) is admitted ahead of every batch request
+  (priority 1) that arrived before it. Among equals it is first come, first served, so
+  nobody of equal priority overtakes anybody (no starvation among equals).
+* *Who is preempted when memory runs out*: the least important running request (largest
+  priority value, latest arrival among equals; vLLM V1's rule) instead of the most
+  recently admitted one. The request needing room is a candidate too, so a request is
+  never evicted for one less important than itself: if everyone else matters more, the
+  request that needs room preempts itself and waits.
+
+What priority does not do: it never evicts a running request to admit a waiting one
+(neither does vLLM), so an interactive request still waits for a free seat
+(``max_num_seqs``) or free blocks. And preemption has a price: the victim's KV is thrown
+away and its prompt plus everything it generated is prefilled again later, so each
+preemption of a long batch request costs a long prefill (``minivllm bench priority``
+measures what the interactive requests gain and what the batch job pays).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.exceptions import ValidationError, ValidationTypeError
 from minivllm.request import Request, RequestStatus
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's two policies: first come first served, or by each request's ``priority``."""
+
+
+def check_priority(priority: object, policy: str) -> int:
+    """A request's priority as the engine takes it: an integer (lower runs first), and
+    non-zero only under the "priority" policy. Like vLLM, a priority the engine would
+    ignore is an error rather than a silent no-op."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationTypeError("priority", f"priority must be an integer, got {priority!r}",
+                                  priority)
+    if priority != 0 and policy != "priority":
+        raise ValidationError(
+            "priority", f"got priority {priority} but priority scheduling is not enabled "
+                        f"(scheduling_policy={policy!r}; start the engine with "
+                        f"scheduling_policy='priority')", priority)
+    return priority
 
 
 @dataclass
@@ -38,19 +84,26 @@ class ScheduledRequest:
     which computes exactly the one token sampled last step."""
     samples: bool = False
     """Whether this step ends with a new token: only once every known token is computed."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens scored after the request's last token (speculative decoding); they are
+    the last ``len(spec_token_ids)`` of ``num_new_tokens``."""
 
     @classmethod
-    def make(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def make(cls, request: Request, num_new_tokens: int,
+             spec_token_ids: list[int] | None = None) -> ScheduledRequest:
         done = request.num_computed_tokens
+        spec = spec_token_ids or []
+        num_known = num_new_tokens - len(spec)
         decode = (
-            num_new_tokens == 1
+            num_known == 1
             and done == request.num_tokens - 1
             and done >= request.num_prompt_tokens
         )
         return cls(
             request, num_new_tokens, done,
             is_prefill=not decode,
-            samples=done + num_new_tokens == request.num_tokens,
+            samples=done + num_known == request.num_tokens,
+            spec_token_ids=spec,
         )
 
 
@@ -78,7 +131,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_num_batched_tokens < 1:
@@ -88,14 +144,43 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.policy = policy
         self.waiting: deque[Request] = deque()
+        """First in line at the left. Under "priority", ordered by :meth:`priority_key`."""
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrival_order: dict[str, int] = {}
+        self._counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
         self.requests[request.request_id] = request
+        self._arrival_order[request.request_id] = next(self._counter)
+        if self.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def priority_key(self, request: Request) -> tuple[int, float, int]:
+        """Smaller runs first: priority, then arrival time, then the order requests were
+        added (so equal priorities and equal arrival times stay first come, first served)."""
+        return (request.priority, request.metrics.arrival_time,
+                self._arrival_order[request.request_id])
+
+    def _insert_by_priority(self, request: Request) -> None:
+        """Keep ``waiting`` sorted by :meth:`priority_key` (a plain sorted deque: a heap
+        would be faster for long queues, but a reader can print this one in order)."""
+        keys = [self.priority_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self.priority_key(request)), request)
+
+    def _requeue(self, request: Request) -> None:
+        """Put a request that had been admitted back in line: at the front under "fcfs"
+        (it has waited longest), at its place by priority under "priority" (where an
+        earlier arrival of the same priority puts it ahead of those that never ran)."""
+        if self.policy == "priority":
+            self._insert_by_priority(request)
+        else:
+            self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -106,14 +191,27 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Drafts (speculative decoding) are tokens to compute like any other: they
+            # count in the budget and get KV slots; the budget may cut them short.
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
+            spec = request.spec_token_ids[:max(num_new - num_known, 0)]
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.preempt_victim()
                 out.preempted.append(victim.request_id)
                 if victim is request:
                     break
+                # Under "priority" the victim may have run earlier in this loop (a
+                # decode scheduled this very step): take its tokens back, and step the
+                # index back over it so that no request is skipped.
+                done = next((s for s in out.scheduled if s.request is victim), None)
+                if done is not None:
+                    out.scheduled.remove(done)
+                    budget += done.num_new_tokens
+                    i -= 1
             else:
-                out.scheduled.append(ScheduledRequest.make(request, num_new))
+                out.scheduled.append(ScheduledRequest.make(request, num_new, spec))
+                request.spec_token_ids = []  # proposed afresh after this step
                 budget -= num_new
                 i += 1
                 continue
@@ -152,20 +250,33 @@ class Scheduler:
         return out
 
     def preempt_victim(self) -> Request:
-        """Memory ran out: preempt the most recently admitted running request (the one
-        that has waited least, and whose eviction loses least work) and return it.
+        """Memory ran out (a running request could not get its blocks): preempt one
+        running request and return it.
 
-        Preemption by *recompute*: its blocks are freed, it goes back to the front of
-        the waiting queue with ``num_computed_tokens = 0`` and keeps its output tokens,
-        so when it is admitted again its prompt and those tokens run as one prefill.
+        Under "fcfs", the most recently admitted running request: the one that has
+        waited least, and whose eviction loses least work. Under "priority", the least
+        important one by :meth:`priority_key` (largest priority value, latest arrival).
+        The request that needs room is running too, so it is among the candidates: the
+        victim is never more important than it, and when everyone else is, the victim is
+        that request itself (vLLM V1: ``max(running, key=(priority, arrival_time))``).
+
+        Preemption by *recompute*: its blocks are freed, it goes back to the waiting
+        queue (front, or its place by priority) with ``num_computed_tokens = 0`` and
+        keeps its output tokens, so when it is admitted again its prompt and those tokens
+        run as one prefill. The cost is that prefill, paid again.
         """
-        request = self.running.pop()
+        if self.policy == "priority":
+            request = max(self.running, key=self.priority_key)
+            self.running.remove(request)
+        else:
+            request = self.running.pop()
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._requeue(request)
         return request
 
     def rollback(self, scheduler_output: SchedulerOutput) -> None:
@@ -186,6 +297,7 @@ class Scheduler:
         for s in scheduler_output.scheduled:
             kv.uncache_blocks(s.request, s.num_computed_tokens)
             s.request.num_computed_tokens = s.num_computed_tokens
+            s.request.spec_token_ids = list(s.spec_token_ids)
         for s in reversed(admitted):  # appendleft in reverse keeps their order
             request = s.request
             self.running.remove(request)
@@ -193,16 +305,21 @@ class Scheduler:
             request.num_computed_tokens = 0
             resumed = request.metrics.num_preemptions > 0
             request.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self._requeue(request)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | Exception]
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int] | Exception]
     ) -> list[Request]:
         """Append each sampled token, apply token-level stop rules, free the finished.
 
         A request whose sampling failed (an exception in place of its token) is finished
         with status FINISHED_ERROR; the others are not affected. Returns the requests
         that received a token or an error this step (finished or not).
+
+        With speculative decoding a request may get several tokens (a list: its accepted
+        drafts, then the target's token). They are appended one by one with the stop
+        rules checked after each, so nothing past a stop is ever kept; the KV of the
+        rejected drafts is given up by rolling ``num_computed_tokens`` back over them.
         """
         updated = []
         for s in scheduler_output.scheduled:
@@ -215,12 +332,27 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_ERROR)
                 updated.append(request)
                 continue
-            request.append_output_token(token)
-            status = self._check_stop(request)
-            if status is not None:
-                self.finish_request(request, status)
+            tokens = [token] if isinstance(token, int) else token
+            if s.spec_token_ids:
+                num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
+                self.rollback_rejected(request, num_rejected)
+            for t in tokens:
+                request.append_output_token(t)
+                status = self._check_stop(request)
+                if status is not None:
+                    self.finish_request(request, status)
+                    break
             updated.append(request)
         return updated
+
+    def rollback_rejected(self, request: Request, num_rejected: int) -> None:
+        """Forget the KV of ``num_rejected`` rejected drafts: they were counted as
+        computed when scheduled. Their slots hold stale K/V that no one reads (attention
+        stops at ``num_computed_tokens``) and that the next step overwrites; blocks that
+        now hold no computed token at all go back to the pool. (None of them is in the
+        prefix cache: only blocks full of known tokens are, and drafts are not known.)"""
+        request.num_computed_tokens -= num_rejected
+        self.kv_cache_manager.free_tail_blocks(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
@@ -249,6 +381,7 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._arrival_order.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)

@@ -17,7 +17,7 @@ batch composition and its row in the timeline; each figure carries the key.
     viz.replay(llm.trace)        # step slider + play button in Jupyter
 
 One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
-``steps``, ``architecture``), with the shared colours and sizes in ``style`` and
+``steps``, ``architecture``, ``spec_decode``), with the shared colours and sizes in ``style`` and
 :func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
 is all a notebook needs.
 """
@@ -33,6 +33,7 @@ from minivllm.viz.kv_cache import (
 )
 from minivllm.viz.latency import plot_latency, plot_ttft_breakdown
 from minivllm.viz.saving import FIGURES_ENV, SavedFigure, figures_dir, save_figure
+from minivllm.viz.spec_decode import plot_spec_decode, spec_decode_counts
 from minivllm.viz.steps import pick_steps, plot_steps, replay
 from minivllm.viz.style import (
     ARCHITECTURE_SIZE,
@@ -55,7 +56,7 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     request_color,
 )
-from minivllm.viz.timeline import plot_request_timeline, request_spans
+from minivllm.viz.timeline import plot_priority_timeline, plot_request_timeline, request_spans
 
 __all__ = [
     "ARCHITECTURE_SIZE",
@@ -90,11 +91,14 @@ __all__ = [
     "plot_latency",
     "plot_process_split",
     "plot_memory_waste",
+    "plot_priority_timeline",
     "plot_request_timeline",
+    "plot_spec_decode",
     "plot_steps",
     "plot_ttft_breakdown",
     "replay",
     "request_color",
     "request_spans",
     "save_figure",
+    "spec_decode_counts",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -119,5 +121,59 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
                           label="arrival (request colour)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title("Request timeline: waiting, prefill, decode and preempted time", fontsize=10)
+    _note_time_source(ax, trace.time_source)
+    return fig
+
+
+GROUP_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:olive")
+"""Colours of the request groups in :func:`plot_priority_timeline`, in order of first arrival."""
+
+
+def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | None = None,
+                           title: str | None = None) -> Figure:
+    """One row per request, coloured by its group (e.g. "interactive" and "batch"):
+    a pale bar from arrival to first token (its TTFT: queueing and prefill), a solid bar
+    from first token to finish, red hatching where it was preempted.
+
+    Drawn for two runs of the same workload (``minivllm bench priority``: fcfs and
+    priority), it shows where the interactive requests' waiting went: under fcfs their
+    pale bars stretch until the batch requests ahead of them are admitted; under priority
+    they are admitted at the next free seat. ``groups`` maps request id to group name;
+    requests it does not name are left out.
+    """
+    rids = [rid for rid in trace.requests if rid in groups]
+    if not rids:
+        raise ValueError("no request of the trace is in groups: run the engine first, or "
+                         "check the request ids")
+    fig, ax = _new_axes(ax, TIMELINE_SIZE)
+    order = sorted(rids, key=lambda r: trace.requests[r].arrival_time)  # stable: ties in add order
+    names = list(dict.fromkeys(groups[r] for r in order))
+    color = {g: GROUP_COLORS[i % len(GROUP_COLORS)] for i, g in enumerate(names)}
+    t0 = min(trace.requests[r].arrival_time for r in order)
+    preempted = request_spans(trace)
+    for row, rid in enumerate(order):
+        m, c = trace.requests[rid], color[groups[rid]]
+        if m.first_token_time is not None:
+            ax.broken_barh([(m.arrival_time - t0, m.first_token_time - m.arrival_time)],
+                           (row - 0.35, 0.7), facecolors=c, alpha=0.3, edgecolors="none",
+                           gid=f"ttft:{rid}")
+            if m.finished_time is not None:
+                ax.broken_barh([(m.first_token_time - t0, m.finished_time - m.first_token_time)],
+                               (row - 0.35, 0.7), facecolors=c, edgecolors="none", gid=f"output:{rid}")
+        lost = [(s - t0, d) for s, d in preempted[rid]["preempted"]]
+        if lost:
+            ax.broken_barh(lost, (row - 0.35, 0.7), facecolors="none", edgecolors=PREEMPTED_COLOR,
+                           hatch="xx", gid=f"preempted:{rid}")
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    ax.set_yticks([])
+    ax.set_xlabel("seconds since the first arrival")
+    ax.set_ylabel("requests, by arrival")
+    handles = [Patch(facecolor=color[g], alpha=0.3, label=f"{g}: waiting for first token")
+               for g in names]
+    handles += [Patch(facecolor=color[g], label=f"{g}: generating") for g in names]
+    handles.append(Patch(facecolor="none", edgecolor=PREEMPTED_COLOR, hatch="xx", label="preempted"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title or "Requests by group: time to first token (pale) and generation (solid)",
+                 fontsize=10)
     _note_time_source(ax, trace.time_source)
     return fig
