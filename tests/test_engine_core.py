@@ -159,7 +159,7 @@ def test_speculative_config_crosses_into_the_core(offline):
     exist and count accepted drafts), several tokens per step reach the server's
     detokenizer, and the greedy tokens are those of the offline engine without it."""
     app = build_app(**ENGINE, speculative_config=SPEC)
-    assert app.state.engine.config.speculative_config == SPEC
+    assert app.state.engine.config.speculative_config == {**SPEC, "disable_by_batch_size": None}
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         wait_healthy(client)
         body = {"prompt": COPY, "max_tokens": 32, "temperature": 0}
