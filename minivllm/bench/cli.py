@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory: the contiguous reservation per request (not an engine setting)")
     parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
     parser.add_argument("--workloads", default="copy,chat", help="speculative: which workloads (copy, chat)")
+    parser.add_argument("--spec-rows", default="0,2,4,8,4 (off above 4),auto",
+                        help="speculative: the rows compared, comma-separated labels of "
+                             "minivllm.bench.speculative.SETTINGS (0, the baseline, runs first in any case)")
     parser.add_argument("--num-interactive", type=int, default=12,
                         help="priority: interactive chat requests in the steady stream")
     parser.add_argument("--interactive-rate", type=float, default=1.0,
