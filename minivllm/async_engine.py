@@ -236,7 +236,7 @@ class AsyncLLMEngine:
         return processed
 
     def _step(self, aborts: set[str]) -> tuple[list[RequestOutput], bool]:
-        live = [i for i in aborts if i in self.engine.scheduler.requests]
+        live = [i for i in aborts if self.engine.has_request(i)]
         if live:
             self.engine.abort_request(live)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []

@@ -63,6 +63,7 @@ from minivllm.exceptions import ValidationError
 from minivllm.metrics import RequestMetrics
 from minivllm.model_loader import resolve_model_dir
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
 
@@ -99,6 +100,8 @@ class AsyncMPEngine(AsyncLLMEngine):
         self._ready_event: asyncio.Event | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
         self._states: dict[str, RequestState] = {}
+        self._parents = ParentRequests()
+        """Requests with n > 1: the core sees only their children (``minivllm.parallel_sampling``)."""
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._num_sent = 0
@@ -240,6 +243,7 @@ class AsyncMPEngine(AsyncLLMEngine):
                 stream.put(EngineDeadError(f"the engine failed: {e}"))
             self._streams.clear()
             self._states.clear()
+            self._parents = ParentRequests()
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(EngineDeadError(f"the engine failed: {e}"))
@@ -248,6 +252,7 @@ class AsyncMPEngine(AsyncLLMEngine):
     def _process_outputs(self, message: StepOutputs) -> None:
         self.num_waiting, self.num_running = message.num_waiting, message.num_running
         self.kv_cache_usage, self._num_added = message.kv_cache_usage, message.num_added
+        outputs = []
         for out in message.outputs:
             state = self._states.get(out.request_id)
             if state is None:
@@ -255,7 +260,9 @@ class AsyncMPEngine(AsyncLLMEngine):
             output = self._make_output(out, state)
             if output.finished:
                 del self._states[out.request_id]
-            stream = self._streams.get(out.request_id)
+            outputs.append(output)
+        for output in self._parents.gather(outputs):  # children's outputs -> their parent's
+            stream = self._streams.get(output.request_id)
             if stream is not None:  # None: its consumer has gone; drop it
                 stream.put(output)
 
@@ -288,14 +295,23 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
              priority: int = 0) -> None:
+        """Send the request to the core; with n > 1, its n children (as vLLM's front end
+        does: the core never sees a parent)."""
         try:
+            if params.n > 1:
+                parent = ParentRequest(request_id, params)
+                self._parents.add(parent)
+                children = parent.children()
+            else:
+                children = [(request_id, params)]
             ids = prompt.prompt_token_ids
-            self._states[request_id] = RequestState(
-                prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
-                RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
-            self._to_core.send(self._encoder.encode(
-                AddRequest(request_id, list(ids), prompt.prompt, params, priority)))
-            self._num_sent += 1
+            for child_id, child_params in children:
+                self._states[child_id] = RequestState(
+                    prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
+                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
+                self._to_core.send(self._encoder.encode(
+                    AddRequest(child_id, list(ids), prompt.prompt, child_params, priority)))
+                self._num_sent += 1
         finally:
             self._adding.discard(request_id)
 
@@ -309,7 +325,7 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     def _send_abort(self, request_ids: list[str]) -> None:
         if self.error is None and self._task is not None:
-            self._to_core.send(self._encoder.encode(Abort(request_ids)))
+            self._to_core.send(self._encoder.encode(Abort(self._parents.expand(request_ids))))
 
     def _abort_later(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

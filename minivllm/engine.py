@@ -41,6 +41,7 @@ from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetr
 from minivllm.model_loader import load_model
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_token
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -152,6 +153,8 @@ class LLMEngine:
         """Per-request output text and stop strings (the scheduler sees token ids only)."""
         self._finished_outputs: list[RequestOutput] = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
+        self._parents = ParentRequests()
+        """Requests with n > 1, fanned out into child requests (``minivllm.parallel_sampling``)."""
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
@@ -181,26 +184,41 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
-    ) -> Request:
+    ) -> Request | list[Request]:
         """Validate and queue a request. Anything that could never be served raises
         :class:`~minivllm.exceptions.ValidationError` (a ValueError; ``param`` names the
         field, the message the value and the limit); nothing is queued then. The checks
         are the :class:`~minivllm.processor.Processor`'s; a ``ProcessedPrompt`` (from
         ``self.processor``, e.g. on the async engine's tokenizer thread) is not
         tokenized or checked again. ``priority`` (lower runs first) needs
-        ``scheduling_policy="priority"``; any other value than 0 is refused under "fcfs"."""
+        ``scheduling_policy="priority"``; any other value than 0 is refused under "fcfs".
+
+        With ``params.n > 1`` the request is fanned out into n child requests
+        (``minivllm.parallel_sampling``), all checked before any is queued; their outputs
+        come back from ``step()`` as one output under ``request_id``, and the n child
+        ``Request`` objects are returned."""
         if not isinstance(request_id, str):
             raise ValidationTypeError(
                 "request_id", f"request_id must be a string, got {type(request_id).__name__}",
                 request_id)
-        if request_id in self.scheduler.requests:
-            raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
-                                  request_id)
         params = self.processor.check_params(params)
+        parent = ParentRequest(request_id, params) if params.n > 1 else None
+        for rid in [request_id] + (parent.child_ids if parent else []):
+            if self.has_request(rid):
+                raise ValidationError("request_id", f"request_id {rid!r} is already in use", rid)
         priority = check_priority(priority, self.config.scheduling_policy)
         arrival_time = check_float("arrival_time", arrival_time, optional=True)
         prompt = self.processor.process_prompt(prompt)
         self.processor.check_request(prompt, params)
+        if parent is not None:
+            self._parents.add(parent)
+            return [self._add_checked(cid, prompt, p, arrival_time, priority)
+                    for cid, p in parent.children()]
+        return self._add_checked(request_id, prompt, params, arrival_time, priority)
+
+    def _add_checked(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                     arrival_time: float | None, priority: int) -> Request:
+        """Queue one request whose every field has been checked."""
         ids = prompt.prompt_token_ids
         request = Request(request_id, ids, params, self.clock() if arrival_time is None else arrival_time,
                           self.eos_token_id, prompt.prompt, priority)
@@ -213,8 +231,11 @@ class LLMEngine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort unfinished requests. Each one's final output (finish_reason "abort") is
         made now and handed out by the next ``step()``; the id is free for reuse at once.
-        Unknown ids raise KeyError and abort nothing."""
+        Unknown ids raise KeyError and abort nothing. Aborting a request with n > 1
+        aborts all its children still running."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        ids = [c for c in self._parents.expand(ids)
+               if c in self.scheduler.requests or c not in self._parents.parent_of]
         unknown = [i for i in ids if i not in self.scheduler.requests]
         if unknown:
             raise KeyError(f"no unfinished request with id(s) {unknown}")
@@ -226,6 +247,11 @@ class LLMEngine:
             self.stats.record_finished(request.metrics, "abort")
             self._finished_outputs.append(self._make_output(request))
         self.model_runner.remove_requests(ids)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in use: an unfinished request (a child among them), or
+        a request with n > 1 whose last output has not been handed out yet."""
+        return request_id in self.scheduler.requests or request_id in self._parents
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
@@ -250,7 +276,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests():
                 self._finished_outputs = outputs
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
-            return outputs
+            return self._parents.gather(outputs)
         try:
             result = self._execute(scheduler_output, start)
         except BaseException:
@@ -270,7 +296,7 @@ class LLMEngine:
             self._propose_drafts(updated)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
-        return outputs
+        return self._parents.gather(outputs)  # children's outputs -> their parent's (n > 1)
 
     def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
         """The forward pass and sampling; if they fail, the step is rolled back."""

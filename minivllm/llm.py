@@ -122,7 +122,8 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order, one per prompt
+        (with ``n > 1`` its ``outputs`` hold the n completions, by ``index``).
 
         ``priority``: one integer per prompt (lower runs first), as vLLM takes it; only
         with ``scheduling_policy="priority"`` (non-zero values are refused under "fcfs")."""
@@ -190,7 +191,7 @@ class LLM:
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
             self._outputs.pop(rid, None)
-        live = [rid for rid in ids if rid in self.llm_engine.scheduler.requests]
+        live = [rid for rid in ids if self.llm_engine.has_request(rid)]
         if live:
             self.llm_engine.abort_request(live)
 
@@ -225,7 +226,7 @@ class LLM:
                     if bar is not None:
                         # Like vLLM's bar: tokens of finished requests over wall time.
                         in_toks += len(out.prompt_token_ids)
-                        out_toks += len(out.outputs[0].token_ids)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = bar.format_dict["elapsed"] or 1e-9
                         bar.set_postfix_str(
                             f"est. speed input: {in_toks / elapsed:.2f} toks/s, "
@@ -277,8 +278,13 @@ class LLM:
         engine keep being served in the same steps, and other streams (or a ``generate``
         call) may be consumed in between: each keeps its own outputs. If the request
         fails (finish_reason "error"), :class:`RequestFailedError` is raised after the
-        text it produced. Nothing is queued until the first piece is asked for.
+        text it produced. Nothing is queued until the first piece is asked for. One
+        text, so ``n`` must be 1 (``generate`` or the server give n completions).
         """
+        if sampling_params is not None and sampling_params.n != 1:
+            raise ValidationError("n", f"LLM.stream yields the text of one completion, so n must "
+                                       f"be 1, got {sampling_params.n}; use generate() for n > 1",
+                                  sampling_params.n)
         if isinstance(prompt, list):
             prompt = self.llm_engine.processor.process_chat(prompt)
         rid = self._add(prompt, sampling_params)

@@ -6,7 +6,7 @@ of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not a
 are refused with a 400 naming them, and so are the OpenAI fields this server does not
 implement (``response_format``, tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
 client gets without telling it. Each unsupported field is accepted only with the value
-that asks for nothing (``n: 1``, ``echo: false``, ...), which some clients send.
+that asks for nothing (``echo: false``, ``best_of: 1``, ...), which some clients send.
 
 Value *ranges* (temperature >= 0, top_p in (0, 1], ...) are published in the schema, from
 the constants in ``minivllm.sampling_params``, but checked by ``SamplingParams`` alone, so
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
 from minivllm.exceptions import ValidationError
-from minivllm.sampling_params import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+from minivllm.sampling_params import MAX_N, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
 
 logger = logging.getLogger("minivllm")
 
@@ -83,7 +83,8 @@ class SamplingRequest(APIModel):
            | None) = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1})] = 1
+    n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_N})] = 1
+    """Completions per prompt (parallel sampling): n choices, ``index`` 0..n-1."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -115,8 +116,6 @@ class SamplingRequest(APIModel):
                 value = getattr(self, name)
                 if value is not None and not _same(value, extra["x-noop"]):
                     raise UnsupportedField(name, value, extra["x-noop"])
-        if self.n != 1:
-            raise ValidationError("n", f"n: only n=1 is supported, got {self.n}", self.n)
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", self.stream_options.model_dump(), None)
 
@@ -138,6 +137,7 @@ class SamplingRequest(APIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
+            n=self.n,
         )
 
 

@@ -32,6 +32,9 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 MAX_STOP_STRINGS = 16
 """At most this many stop strings; each is searched in the new text of every token."""
+MAX_N = 16
+"""At most this many completions per prompt (``n``): each is a request of its own, with
+its own KV blocks past the shared prompt, so ``n`` multiplies the work and the memory."""
 
 
 @dataclass
@@ -69,6 +72,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """token id -> a number in [-100, 100] added to that token's logit before anything else
     (OpenAI's); -100 all but bans a token, 100 all but forces it."""
+    n: int = 1
+    """Completions to generate for the prompt, in [1, ``MAX_N``] (parallel sampling,
+    ``minivllm.parallel_sampling``): n child requests that share the prompt's KV blocks.
+    With a ``seed``, child ``i`` samples with ``seed + i`` (as vLLM does)."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -110,6 +117,11 @@ class SamplingParams:
                                       f"{self.repetition_penalty}", self.repetition_penalty)
         self.min_p = check_float("min_p", self.min_p, minimum=0, maximum=1)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.n = check_int("n", self.n, minimum=1, maximum=MAX_N)
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValidationError(
+                "seed", f"seed {self.seed} with n={self.n}: the children's seeds seed..seed+n-1 "
+                        f"must be at most {SEED_MAX}", self.seed)
 
     @property
     def has_penalties(self) -> bool:

@@ -33,7 +33,7 @@ from minivllm.async_engine import (
 )
 from minivllm.exceptions import ValidationError
 from minivllm.metrics import Counter
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.prometheus import CONTENT_TYPE, render_metrics
 from minivllm.protocol import (
     APIError,
@@ -102,26 +102,27 @@ class OpenAIServing:
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
-        def choice(out: RequestOutput, text: str, final: bool) -> dict:
-            c = out.outputs[0]
-            return {"index": 0, "text": text, "logprobs": None,
+        def choice(c: CompletionOutput, text: str, final: bool) -> dict:
+            return {"index": c.index, "text": text, "logprobs": None,
                     "finish_reason": c.finish_reason if final else None,
                     "stop_reason": c.stop_reason if final else None}
 
         if body.stream:
-            def chunk(out: RequestOutput) -> dict | None:
-                if not out.new_text and not out.finished:
-                    return None
-                return {**head, "choices": [choice(out, out.new_text, out.finished)]}
+            deltas = ChoiceDeltas()
+
+            def chunk(out: RequestOutput) -> list[dict]:
+                return [{**head, "choices": [choice(c, text, final)]}
+                        for c, text, final, _ in deltas.new(out) if text or final]
             return sse(stream, chunk, head, body)
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
         raise_if_failed(out)
-        result = {**head, "choices": [choice(out, out.outputs[0].text, True)], "usage": usage(out)}
+        choices = [choice(c, c.text, True) for c in out.outputs]
         if body.return_token_ids:
-            result["choices"][0]["token_ids"] = out.outputs[0].token_ids
-        return JSONResponse(result)
+            for c, ch in zip(out.outputs, choices):
+                ch["token_ids"] = c.token_ids
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)})
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
@@ -137,13 +138,15 @@ class OpenAIServing:
         if out is None:
             return Response(status_code=499)
         raise_if_failed(out)
-        c = out.outputs[0]
-        message = {"role": "assistant", "content": c.text}
-        choice = {"index": 0, "message": message, "logprobs": None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if body.return_token_ids:
-            choice["token_ids"] = c.token_ids
-        return JSONResponse({**head, "choices": [choice], "usage": usage(out)})
+        choices = []
+        for c in out.outputs:
+            message = {"role": "assistant", "content": c.text}
+            choice = {"index": c.index, "message": message, "logprobs": None,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)})
 
     def _chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
         """As for a completion, with OpenAI's newer name ``max_completion_tokens`` for
@@ -174,37 +177,62 @@ class OpenAIServing:
         return Response(render_metrics(records), media_type=CONTENT_TYPE)
 
 
-def _chat_chunks(head: dict) -> Callable[[RequestOutput], dict | None]:
-    """The chunk maker of a chat stream: OpenAI's first chunk announces the role."""
-    first = True
+def _chat_chunks(head: dict) -> Callable[[RequestOutput], list[dict]]:
+    """The chunk maker of a chat stream: OpenAI's first chunk of each choice announces
+    the role."""
+    deltas = ChoiceDeltas()
 
-    def chunk(out: RequestOutput) -> dict | None:
-        nonlocal first
-        delta: dict[str, str] = {}
-        if first:
-            delta["role"] = "assistant"
-            first = False
-        if out.new_text or "role" in delta:
-            delta["content"] = out.new_text
-        if not delta and not out.finished:
-            return None
-        reason = out.outputs[0].finish_reason if out.finished else None
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                     "finish_reason": reason}]}
+    def chunk(out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c, text, final, first in deltas.new(out):
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            if delta or final:
+                chunks.append({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                    "finish_reason": c.finish_reason if final else None}]})
+        return chunks
 
     return chunk
 
 
+class ChoiceDeltas:
+    """What each choice of a stream gained since its last chunk. An output holds each
+    completion as it stands (with n > 1, all n, whichever progressed), and a completion's
+    text only ever grows, so its new text is what follows the part already sent; its
+    finish_reason is sent once."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+        """Characters sent, per choice index."""
+        self.done: set[int] = set()
+
+    def new(self, out: RequestOutput) -> list[tuple[CompletionOutput, str, bool, bool]]:
+        """``(completion, new text, finished now, first time seen)`` for every completion."""
+        result = []
+        for c in out.outputs:
+            first = c.index not in self.sent
+            text = c.text[self.sent.get(c.index, 0):]
+            self.sent[c.index] = max(self.sent.get(c.index, 0), len(c.text))
+            final = c.finished() and c.index not in self.done
+            if final:
+                self.done.add(c.index)
+            result.append((c, text, final, first))
+        return result
+
+
 # -- helpers for the endpoints -------------------------------------------------------------
 def raise_if_failed(out: RequestOutput) -> None:
-    """A request that finished with finish_reason "error" is a 500 of its own."""
-    c = out.outputs[0]
-    if c.finish_reason == "error":
-        raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+    """A request that finished with finish_reason "error" (any of its n completions) is a
+    500 of its own."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
 
 
 def usage(out: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    # With n > 1 the prompt counts once and every completion's tokens count (OpenAI's rule).
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -236,7 +264,7 @@ async def unless_disconnected(request: Request, work: Any) -> Any:
     return task.result()
 
 
-def sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], head: dict,
+def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], head: dict,
         body: SamplingRequest) -> StreamingResponse:
     """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
 
@@ -250,13 +278,13 @@ def sse(stream: RequestStream, chunk: Callable[[RequestOutput], dict | None], he
         # a last event holding an error (the openai client raises it as an APIError).
         try:
             async for out in stream:
-                if out.outputs[0].finish_reason == "error":
-                    error = APIError(500, f"the request failed: {out.outputs[0].error}",
+                failed = [c for c in out.outputs if c.finish_reason == "error"]
+                if failed:
+                    error = APIError(500, f"the request failed: {failed[0].error}",
                                      "server_error", code="request_failed")
                     yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
                     break
-                data = chunk(out)
-                if data is not None:
+                for data in chunk(out):  # one chunk per choice that progressed
                     yield f"data: {json.dumps(data)}\n\n"
                 if out.finished and include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(out)})}\n\n"

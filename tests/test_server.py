@@ -235,7 +235,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens", "maximum length"),
     ("/v1/completions", {"prompt": [1] * 8192}, 400, "prompt", "max_model_len"),
     ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "prompt", "empty"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n=1"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n", "n must be"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", "messages"),

@@ -89,7 +89,7 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
             "stop": [[1], 1, [""], "", ["a"] * 17, {"x": 1}],
             "stop_token_ids": [[-1], [1.5], "x", [10**9], [True]],
             "ignore_eos": [1, "true"],
-            "n": [2, 0, "1"],
+            "n": [17, 0, "1", 1.5, True],
             "stream": ["yes", 1],
             "return_token_ids": [1],
             "user": [5],
