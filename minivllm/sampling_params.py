@@ -24,6 +24,7 @@ from minivllm.exceptions import (
     check_float,
     check_int,
 )
+from minivllm.guided_decoding import GuidedDecodingParams
 
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
@@ -69,6 +70,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """token id -> a number in [-100, 100] added to that token's logit before anything else
     (OpenAI's); -100 all but bans a token, 100 all but forces it."""
+    guided_decoding: GuidedDecodingParams | None = None
+    """Structured output: a JSON schema, regex, choice list or grammar the output must
+    match, enforced by masking the logits (``minivllm.guided_decoding``)."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -110,6 +114,12 @@ class SamplingParams:
                                       f"{self.repetition_penalty}", self.repetition_penalty)
         self.min_p = check_float("min_p", self.min_p, minimum=0, maximum=1)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValidationTypeError(
+                    "guided_decoding", f"guided_decoding must be a GuidedDecodingParams, got "
+                                       f"{type(self.guided_decoding).__name__}", self.guided_decoding)
+            self.guided_decoding.verify()
 
     @property
     def has_penalties(self) -> bool:
