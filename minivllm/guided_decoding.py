@@ -120,6 +120,10 @@ class GuidedDecodingParams:
         if self.json_object is not None:
             check_bool("guided_decoding", self.json_object)
         self.disable_any_whitespace = check_bool("guided_decoding", self.disable_any_whitespace)
+        if self.disable_any_whitespace and self.kind not in ("json", "json_object"):
+            raise ValidationError(
+                "guided_decoding", f"guided_decoding.disable_any_whitespace applies to json and "
+                                   f"json_object only, not to {self.kind}", self.kind)
         self.parse()
 
     @property

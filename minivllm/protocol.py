@@ -143,6 +143,9 @@ class SamplingRequest(APIModel):
     """vLLM's extension: the output is exactly one of these strings."""
     guided_grammar: str | None = None
     """vLLM's extension: the output matches this EBNF grammar (xgrammar's dialect)."""
+    disable_any_whitespace: bool = False
+    """vLLM's structured-output option: JSON output without whitespace between tokens
+    (by default any amount is allowed). Only with a JSON response_format or guided_json."""
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field asking for something
@@ -189,6 +192,9 @@ class SamplingRequest(APIModel):
             raise ValidationError(given[1], f"{given[1]}: only one of {', '.join(given)} may "
                                             f"be given (each asks for structured output)", None)
         if not given:
+            if self.disable_any_whitespace:
+                raise ValidationError("disable_any_whitespace", "disable_any_whitespace applies "
+                                      "only to JSON output (response_format or guided_json)", True)
             return None
         field = given[0]
         if field == "response_format":
@@ -196,7 +202,7 @@ class SamplingRequest(APIModel):
         else:
             kwargs = {field.removeprefix("guided_"): getattr(self, field)}
         try:
-            return GuidedDecodingParams(**kwargs)
+            return GuidedDecodingParams(**kwargs, disable_any_whitespace=self.disable_any_whitespace)
         except ValidationError as e:
             message = re.sub(r"^guided_decoding(\.\w+)?", field, str(e))
             raise ValidationError(field, message, e.value) from None

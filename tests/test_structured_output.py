@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -221,6 +222,7 @@ def test_no_drafts_for_guided_requests_with_speculative_decoding(llm):
     (dict(choice=["a", 1]), "non-empty list of strings"),
     (dict(grammar="root ::= "), "guided_decoding.grammar is not valid"),
     (dict(json_object=True, disable_any_whitespace="yes"), "guided_decoding"),
+    (dict(regex="a+", disable_any_whitespace=True), "json and json_object only"),
 ])
 def test_invalid_guided_params_raise_validation_error(kwargs, message):
     with pytest.raises(ValidationError, match=re.escape(message)) as e:
@@ -239,3 +241,80 @@ def test_an_engine_without_a_tokenizer_refuses_guided_requests():
     with pytest.raises(ValidationError, match="needs the engine's tokenizer"):
         llm.llm_engine.add_request("g", {"prompt_token_ids": [1, 2]}, guided(0, choice=CHOICES))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+# -- the server: response_format and vLLM's guided_* fields, engine core in its own process ----
+@pytest.fixture(scope="module")
+def server(llm, tmp_path_factory):
+    """The tiny model saved as a Hugging Face folder, served by build_app's default: an
+    engine core in a process of its own, so the guided params cross the msgpack wire."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from minivllm.server import ServerThread, build_app
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    llm.llm_engine.model.save_pretrained(folder)
+    llm.llm_engine.tokenizer.save_pretrained(folder)
+    app = build_app(model=str(folder), log_stats_interval=None)
+    with ServerThread(app) as s:
+        deadline = time.monotonic() + 120
+        while httpx.get(s.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine never became ready"
+            time.sleep(0.1)
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, temperature=1.0, max_tokens=64,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}], **kwargs)
+
+
+def test_server_response_format_json_schema(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    for seed in range(5):
+        # disable_any_whitespace is not OpenAI's: the random model would pour whitespace
+        r = chat(client, seed=seed, response_format=fmt,
+                 extra_body={"disable_any_whitespace": True})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_server_guided_fields_on_both_endpoints(client):
+    r = chat(client, seed=1, extra_body={"guided_choice": CHOICES})
+    assert r.choices[0].message.content in CHOICES
+    c = client.completions.create(model=client.models.list().data[0].id, prompt="Code:",
+                                  max_tokens=20, seed=2, extra_body={"guided_regex": REGEX})
+    assert re.fullmatch(REGEX, c.choices[0].text) and c.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format", "Unsupported type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
+    ({"response_format": {"type": "xml"}}, "response_format", None),
+    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json",
+     "minimum greater than maximum"),
+    ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
+    ({"guided_choice": []}, "guided_choice", None),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "only one of"),
+    ({"disable_any_whitespace": True}, "disable_any_whitespace", "only to JSON"),
+    ({"guided_choice": ["a"], "disable_any_whitespace": True}, "guided_choice", "json_object only"),
+])
+def test_server_bad_guided_requests_are_400_naming_the_field(client, body, param, message):
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, extra_body=body)
+    error = e.value.body
+    assert error["param"] == param or param in error["message"], error
+    if message:
+        assert message in error["message"], error
+    assert chat(client, seed=3, extra_body={"guided_choice": CHOICES}).choices[0].message.content \
+        in CHOICES, "the server must still serve after a refusal"
