@@ -68,10 +68,11 @@ def _xgrammar():
 
 @dataclass
 class GuidedDecodingParams:
-    """Which outputs a request allows; exactly one of the five ways must be set.
+    """Which outputs a request allows; exactly one of the five ways must be set::
 
-    >>> GuidedDecodingParams(choice=["yes", "no"])            # doctest: +SKIP
-    >>> GuidedDecodingParams(json={"type": "object", "properties": {"n": {"type": "integer"}}})
+        SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+        SamplingParams(guided_decoding=GuidedDecodingParams(
+            json={"type": "object", "properties": {"n": {"type": "integer"}}}))
     """
 
     json: dict | str | None = None
