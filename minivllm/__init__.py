@@ -20,6 +20,7 @@ _EXPORTS = {
     "LLMEngine": "minivllm.engine",
     "EngineConfig": "minivllm.config",
     "SamplingParams": "minivllm.sampling_params",
+    "GuidedDecodingParams": "minivllm.guided_decoding",
     "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
 }

@@ -36,6 +36,7 @@ from minivllm.config import (
 from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
+from minivllm.guided_decoding import GrammarCompiler, GrammarState, GuidedDecodingParams
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
@@ -151,6 +152,8 @@ class LLMEngine:
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         """Per-request output text and stop strings (the scheduler sees token ids only)."""
+        self._grammar_compiler: GrammarCompiler | None = None
+        """Structured output's compiler (and its cache), made at the first guided request."""
         self._finished_outputs: list[RequestOutput] = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._parents = ParentRequests()
@@ -210,6 +213,8 @@ class LLMEngine:
         arrival_time = check_float("arrival_time", arrival_time, optional=True)
         prompt = self.processor.process_prompt(prompt)
         self.processor.check_request(prompt, params)
+        if params.guided_decoding is not None:  # a grammar that cannot compile is refused
+            self._new_grammar_state(params.guided_decoding)  # before anything is queued (cached)
         if parent is not None:
             self._parents.add(parent)
             return [self._add_checked(cid, prompt, p, arrival_time, priority)
@@ -222,11 +227,26 @@ class LLMEngine:
         ids = prompt.prompt_token_ids
         request = Request(request_id, ids, params, self.clock() if arrival_time is None else arrival_time,
                           self.eos_token_id, prompt.prompt, priority)
+        if params.guided_decoding is not None:
+            request.grammar = self._new_grammar_state(params.guided_decoding)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                 params.min_tokens)
         self.scheduler.add_request(request)
         self.trace.requests[request_id] = request.metrics
         return request
+
+    def _new_grammar_state(self, guided: GuidedDecodingParams) -> GrammarState:
+        """A matcher for a new request with structured output (``minivllm.guided_decoding``),
+        compiled for this engine's tokenizer and the model's vocabulary (once per grammar:
+        the compiler caches). The end-of-sequence token is the engine's own."""
+        if self.tokenizer is None:
+            raise ValidationError("guided_decoding", "guided decoding needs the engine's "
+                                  "tokenizer (the grammar is over text), and this engine has none",
+                                  guided.kind)
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                     self.eos_token_id)
+        return self._grammar_compiler.new_state(guided)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort unfinished requests. Each one's final output (finish_reason "abort") is
@@ -334,9 +354,17 @@ class LLMEngine:
         Then all drafts are cut to one length for the step: none while more than
         ``disable_by_batch_size`` requests run, else the length ``self.draft_length``
         has measured to give the most tokens per second at this batch size
-        (``minivllm.spec_decode.draft_length``), else the full k."""
+        (``minivllm.spec_decode.draft_length``), else the full k.
+
+        A request with structured output (a grammar) gets no drafts: the proposer does not
+        know the grammar, and a draft it forbids would still be scored and could be
+        accepted, as the rejection sampler checks drafts against the target's logits,
+        not the grammar (vLLM masks each draft position and rolls the matcher back; here
+        such a request simply decodes one token per step, every token masked)."""
         going_on = [r for r in updated if not r.is_finished]
         for request in going_on:
+            if request.grammar is not None:
+                continue  # its spec_token_ids stay empty (the scheduler emptied them)
             room = self.max_model_len - request.num_tokens
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:

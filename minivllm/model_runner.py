@@ -69,6 +69,21 @@ def logits_contexts(requests: list[tuple[Request, list[int]]]
     return params, prompts, outputs
 
 
+def grammar_rows(requests: list[tuple[Request, list[int]]]) -> list:
+    """Per logits row: the request's grammar state (structured output) or None; an empty
+    list when no request has one. A request with a grammar never has drafts (the engine
+    proposes none for it), so it owns exactly one row."""
+    if all(r.grammar is None for r, _ in requests):
+        return []
+    rows = []
+    for req, drafts in requests:
+        if req.grammar is not None and drafts:
+            raise RuntimeError(f"request {req.request_id} has a grammar and drafts; the engine "
+                               f"never proposes drafts for it")
+        rows += [req.grammar] + [None] * len(drafts)
+    return rows
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int | list[int] | Exception]
@@ -204,9 +219,11 @@ class ModelRunner:
                ) -> dict[str, int | list[int] | Exception]:
         """Requests without drafts go through the sampler together, one row each; a
         request with k drafts owns k + 1 consecutive rows and goes through the rejection
-        sampler. Both see the logits after ``logit_bias`` and the penalties
+        sampler. Both see the logits after ``logit_bias``, the penalties and the grammar
+        masks of requests with structured output
         (:func:`~minivllm.sampler.apply_logits_processors`)."""
-        logits = apply_logits_processors(logits, *logits_contexts(requests))
+        logits = apply_logits_processors(logits, *logits_contexts(requests),
+                                         grammars=grammar_rows(requests))
         rows, plain, sampled = [], [], {}
         row = 0
         for req, drafts in requests:

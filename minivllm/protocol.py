@@ -4,7 +4,7 @@ What this layer checks is what JSON can get wrong: the shape of the body and the
 of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
 ``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
 are refused with a 400 naming them, and so are the OpenAI fields this server does not
-implement (``response_format``, tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
+implement (tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
 client gets without telling it. Each unsupported field is accepted only with the value
 that asks for nothing (``echo: false``, ``best_of: 1``, ...), which some clients send.
 
@@ -23,6 +23,7 @@ In vLLM: ``vllm/entrypoints/openai/protocol.py``.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
 from minivllm.exceptions import ValidationError
+from minivllm.guided_decoding import GuidedDecodingParams
 from minivllm.sampling_params import MAX_N, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -65,6 +67,32 @@ def unsupported(noop: Any = None) -> Any:
 
 class StreamOptions(APIModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(APIModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema the output follows; left out, any JSON object."""
+    strict: bool | None = None
+    """OpenAI's opt-in to exact schema following; here the schema is always enforced
+    (by masking the logits), so true, false and null all mean the same."""
+
+
+class ResponseFormat(APIModel):
+    """OpenAI's ``response_format``: plain text (the default), any JSON object, or JSON
+    that follows a schema (structured output, ``minivllm.guided_decoding``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+    """Required with type "json_schema", refused with the others."""
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar")
+"""The request fields that ask for structured output; at most one per request."""
 
 
 class SamplingRequest(APIModel):
@@ -105,7 +133,20 @@ class SamplingRequest(APIModel):
         "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})] | None = None
     """OpenAI's: token id (a string, as JSON keys are) -> bias added to its logit."""
-    response_format: Any = unsupported({"type": "text"})
+    response_format: ResponseFormat | None = None
+    """Structured output (OpenAI's): ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's extension: the output is JSON that follows this schema."""
+    guided_regex: str | None = None
+    """vLLM's extension: the output matches this regular expression."""
+    guided_choice: Annotated[list[str], Field(json_schema_extra={"minItems": 1})] | None = None
+    """vLLM's extension: the output is exactly one of these strings."""
+    guided_grammar: str | None = None
+    """vLLM's extension: the output matches this EBNF grammar (xgrammar's dialect)."""
+    disable_any_whitespace: bool = False
+    """vLLM's structured-output option: JSON output without whitespace between tokens
+    (by default any amount is allowed). Only with a JSON response_format or guided_json."""
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field asking for something
@@ -138,7 +179,43 @@ class SamplingRequest(APIModel):
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
             n=self.n,
+            guided_decoding=self.guided_decoding(),
         )
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The structured output the request asks for, from whichever one field asks for
+        it. A bad schema, regex or grammar is a ValidationError naming that field."""
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text"
+                          and self.response_format.json_schema is None)]
+        if len(given) > 1:
+            raise ValidationError(given[1], f"{given[1]}: only one of {', '.join(given)} may "
+                                            f"be given (each asks for structured output)", None)
+        if not given:
+            if self.disable_any_whitespace:
+                raise ValidationError("disable_any_whitespace", "disable_any_whitespace applies "
+                                      "only to JSON output (response_format or guided_json)", True)
+            return None
+        field = given[0]
+        if field == "response_format":
+            kwargs = self._response_format_kwargs()
+        else:
+            kwargs = {field.removeprefix("guided_"): getattr(self, field)}
+        try:
+            return GuidedDecodingParams(**kwargs, disable_any_whitespace=self.disable_any_whitespace)
+        except ValidationError as e:
+            message = re.sub(r"^guided_decoding(\.\w+)?", field, str(e))
+            raise ValidationError(field, message, e.value) from None
+
+    def _response_format_kwargs(self) -> dict:
+        fmt = self.response_format
+        if (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise ValidationError(
+                "response_format", "response_format: json_schema is required with type "
+                                   "'json_schema' and refused with any other type", fmt.type)
+        if fmt.type == "json_object" or fmt.json_schema.schema_ is None:
+            return {"json_object": True}
+        return {"json": fmt.json_schema.schema_}
 
 
 def _same(value: Any, noop: Any) -> bool:

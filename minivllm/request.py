@@ -66,6 +66,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): not
         part of the request's tokens until the target model accepts them."""
+        self.grammar = None
+        """Structured output: the request's ``GrammarState`` (``minivllm.guided_decoding``)
+        when its params have ``guided_decoding``, set by the engine when it is added. The
+        scheduler advances it over each token the request keeps."""
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
         # No tensors here, not even a seeded request's random generator: the model runner

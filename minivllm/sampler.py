@@ -9,8 +9,9 @@ Top-k and top-p always keep at least the most likely token, however small ``top_
 Before any of that, :func:`apply_logits_processors` changes the logits of the requests
 that ask for it, the whole batch at once (vLLM's order): ``logit_bias`` is added, then the
 repetition penalty (tokens seen in the prompt or the output), then the frequency and
-presence penalties (tokens seen in the output only). Greedy takes the argmax of those
-logits. ``min_p`` comes after temperature and before top-k/top-p. Rows of requests that
+presence penalties (tokens seen in the output only), then, for requests with structured
+output, the grammar's mask (every token the grammar forbids gets ``-inf``;
+``minivllm.guided_decoding``). Greedy takes the argmax of those logits. ``min_p`` comes after temperature and before top-k/top-p. Rows of requests that
 ask for none of this are not touched.
 
 A failure while sampling one row (NaN logits from the model, a distribution that cannot
@@ -96,8 +97,8 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[list[int]],
 
 
 def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
-                            prompt_ids: list[list[int]], output_ids: list[list[int]]
-                            ) -> torch.Tensor:
+                            prompt_ids: list[list[int]], output_ids: list[list[int]],
+                            grammars: list | None = None) -> torch.Tensor:
     """``logit_bias``, then the penalties, on the rows of ``[rows, vocab]`` logits whose
     request asks for them; row ``i`` belongs to ``params[i]`` and has seen
     ``prompt_ids[i]`` and ``output_ids[i]``. Returns float logits; every other row keeps
@@ -106,10 +107,16 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
     The model runner calls this once per step for every row it will sample from, before
     the sampler and the rejection sampler (speculative decoding), so both draw from the
     same logits. A row that scores a draft counts the drafts before it as output, as if
-    they had been generated (vLLM does the same)."""
+    they had been generated (vLLM does the same).
+
+    ``grammars``: per row, the ``GrammarState`` of a request with structured output, or
+    None. Those rows are masked last (a mask commutes with the rest: ``-inf`` stays
+    ``-inf`` under any bias, penalty or temperature); an empty or all-None list masks
+    nothing. ``params`` may be empty when no row asks for a bias or a penalty."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    if not biased and not penalized:
+    guided = [i for i, g in enumerate(grammars or []) if g is not None]
+    if not biased and not penalized and not guided:
         return logits
     logits = logits.float().clone()
     if biased:
@@ -124,6 +131,9 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
         logits[rows] = apply_penalties(logits[rows], [prompt_ids[i] for i in penalized],
                                        [output_ids[i] for i in penalized],
                                        [params[i] for i in penalized])
+    if guided:
+        from minivllm.guided_decoding import apply_grammar_bitmask  # xgrammar only when used
+        logits = apply_grammar_bitmask(logits, guided, [grammars[i] for i in guided])
     return logits
 
 

@@ -24,6 +24,7 @@ from minivllm.exceptions import (
     check_float,
     check_int,
 )
+from minivllm.guided_decoding import GuidedDecodingParams
 
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
@@ -76,6 +77,9 @@ class SamplingParams:
     """Completions to generate for the prompt, in [1, ``MAX_N``] (parallel sampling,
     ``minivllm.parallel_sampling``): n child requests that share the prompt's KV blocks.
     With a ``seed``, child ``i`` samples with ``seed + i`` (as vLLM does)."""
+    guided_decoding: GuidedDecodingParams | None = None
+    """Structured output: a JSON schema, regex, choice list or grammar the output must
+    match, enforced by masking the logits (``minivllm.guided_decoding``)."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -122,6 +126,12 @@ class SamplingParams:
             raise ValidationError(
                 "seed", f"seed {self.seed} with n={self.n}: the children's seeds seed..seed+n-1 "
                         f"must be at most {SEED_MAX}", self.seed)
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValidationTypeError(
+                    "guided_decoding", f"guided_decoding must be a GuidedDecodingParams, got "
+                                       f"{type(self.guided_decoding).__name__}", self.guided_decoding)
+            self.guided_decoding.verify()
 
     @property
     def has_penalties(self) -> bool:

@@ -96,7 +96,15 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
             "presence_penalty": [2.5, -3, "1", True], "frequency_penalty": [-2.5, "0"],
             "repetition_penalty": [0, -1, "1.2"], "min_p": [-0.1, 1.5, "0.1"],
             "logit_bias": [{"1": 101}, {"1": -100.5}, {"x": 5}, {"-1": 5}, {"1": "5"}, [1], {"99999": 1}],
-            "response_format": [{"type": "json_object"}],
+            "response_format": [{"type": "xml"}, {"type": "json_schema"}, "json",
+                                {"type": "text", "json_schema": {"name": "x"}},
+                                {"type": "json_schema", "json_schema": {"schema": {}}},
+                                {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": {"type": "objectx"}}}],
+            "guided_json": [[1], 5, "{not json", {"type": "integer", "minimum": 2, "maximum": 1}],
+            "guided_regex": ["(ab", 5], "guided_choice": [[], "a", [1]],
+            "guided_grammar": ["root ::= ", ["x"]],
+            "disable_any_whitespace": [True, 1],
             "temprature": [0.5],  # a typo is an unknown field, not a silent default
         }
         for field, values in field_values.items():

@@ -338,7 +338,7 @@ class Scheduler:
                 self.rollback_rejected(request, num_rejected)
             for t in tokens:
                 request.append_output_token(t)
-                status = self._check_stop(request)
+                status = self._advance_grammar(request, t) or self._check_stop(request)
                 if status is not None:
                     self.finish_request(request, status)
                     break
@@ -353,6 +353,19 @@ class Scheduler:
         prefix cache: only blocks full of known tokens are, and drafts are not known.)"""
         request.num_computed_tokens -= num_rejected
         self.kv_cache_manager.free_tail_blocks(request, request.num_computed_tokens)
+
+    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
+        """Structured output: move the request's grammar matcher over its new token.
+        Finished ("stop") once the grammar is complete and has accepted the end of
+        sequence, whatever ``ignore_eos`` or ``min_tokens`` say: no valid token is left.
+        A token the grammar refuses (the mask forbade it: only a bug gets here) finishes
+        the request with an error rather than letting it leave its grammar."""
+        if request.grammar is None:
+            return None
+        if not request.grammar.accept_token(token):
+            request.error = f"the grammar does not allow the sampled token {token}"
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         params = request.sampling_params
