@@ -66,6 +66,13 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): not
         part of the request's tokens until the target model accepts them."""
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        """One ``PositionLogprobs`` (``minivllm.logprobs``) per output token, when the request
+        asks for ``logprobs``; None otherwise."""
+        self.prompt_logprobs: list | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        """With ``prompt_logprobs``: None for the first prompt token, then one
+        ``PositionLogprobs`` per prompt token, filled in as the prompt's chunks run."""
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
         # No tensors here, not even a seeded request's random generator: the model runner

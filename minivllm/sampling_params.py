@@ -32,6 +32,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 MAX_STOP_STRINGS = 16
 """At most this many stop strings; each is searched in the new text of every token."""
+MAX_LOGPROBS = 20
+"""The largest ``logprobs`` and ``prompt_logprobs`` (vLLM's default ``max_logprobs``, and
+OpenAI's cap on ``top_logprobs``): each costs a ``topk`` that wide per position and that
+many entries in every output (``minivllm.logprobs``)."""
 
 
 @dataclass
@@ -69,6 +73,15 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """token id -> a number in [-100, 100] added to that token's logit before anything else
     (OpenAI's); -100 all but bans a token, 100 all but forces it."""
+    logprobs: int | None = None
+    """Per generated token: its log-probability and rank, plus the ``logprobs`` most likely
+    tokens at that position; 0 is the chosen token alone, None is off; at most
+    ``MAX_LOGPROBS``. The values are those of the model's raw logits (vLLM's default
+    ``logprobs_mode="raw_logprobs"``): before logit_bias, penalties and temperature."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (``RequestOutput.prompt_logprobs``).
+    A request that asks does not take prefix-cache hits: its prompt must run through the
+    model to give the logits."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -110,6 +123,10 @@ class SamplingParams:
                                       f"{self.repetition_penalty}", self.repetition_penalty)
         self.min_p = check_float("min_p", self.min_p, minimum=0, maximum=1)
         self.logit_bias = _check_logit_bias(self.logit_bias)
+        self.logprobs = check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                                  optional=True)
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
+                                         maximum=MAX_LOGPROBS, optional=True)
 
     @property
     def has_penalties(self) -> bool:
