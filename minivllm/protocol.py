@@ -4,7 +4,7 @@ What this layer checks is what JSON can get wrong: the shape of the body and the
 of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
 ``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
 are refused with a 400 naming them, and so are the OpenAI fields this server does not
-implement (``response_format``, tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
+implement (``response_format``, tools, ``best_of``, ``suffix``, ``echo``): a field that is accepted and silently ignored would change what a
 client gets without telling it. Each unsupported field is accepted only with the value
 that asks for nothing (``n: 1``, ``echo: false``, ...), which some clients send.
 
@@ -30,7 +30,13 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
 from minivllm.exceptions import ValidationError
-from minivllm.sampling_params import MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+from minivllm.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 logger = logging.getLogger("minivllm")
 
@@ -138,7 +144,12 @@ class SamplingRequest(APIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
+            logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` from this endpoint's fields (each names them its way)."""
+        return None
 
 
 def _same(value: Any, noop: Any) -> bool:
@@ -152,7 +163,9 @@ class CompletionRequest(SamplingRequest):
     prompt: str | TokenIds | Annotated[list[str], Field(json_schema_extra={"maxItems": 1})] | \
         Annotated[list[TokenIds], Field(json_schema_extra={"maxItems": 1})]
     echo: Any = unsupported(False)
-    logprobs: Any = unsupported()
+    logprobs: bounded(int, minimum=0, maximum=MAX_LOGPROBS) = None
+    """OpenAI's (legacy completions): the chosen token's logprob and the ``logprobs`` most
+    likely tokens at each position; 0 is the chosen token alone."""
     best_of: Any = unsupported(1)
     suffix: Any = unsupported()
 
@@ -166,6 +179,9 @@ class CompletionRequest(SamplingRequest):
                     len(p))
             p = p[0]
         return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
@@ -185,13 +201,21 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})]
     max_completion_tokens: bounded(int, minimum=1) = None
     """The newer OpenAI name for max_tokens."""
-    logprobs: Any = unsupported(False)
-    top_logprobs: Any = unsupported()
+    logprobs: bool | None = None
+    """OpenAI's: each generated token's logprob in ``choices[i].logprobs.content``."""
+    top_logprobs: bounded(int, minimum=0, maximum=MAX_LOGPROBS) = None
+    """OpenAI's: with ``logprobs``, also the ``top_logprobs`` most likely tokens per position."""
     tools: Any = unsupported([])
     tool_choice: Any = unsupported("none")
     parallel_tool_calls: Any = unsupported()
     functions: Any = unsupported([])
     function_call: Any = unsupported("none")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true",
+                                  self.top_logprobs)
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # -- responses (for the schema, and for clients reading it) ----------------------------------
@@ -250,10 +274,20 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions logprobs: per generated token its text, its logprob, the most
+    likely tokens there (text -> logprob, the chosen token included) and where its text
+    starts in the completion. A logprob of -inf is sent as -9999.0 (JSON has no infinity)."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     token_ids: list[int] | None = None
@@ -273,10 +307,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    """The UTF-8 bytes of ``token`` (a piece of a multi-byte character is U+FFFD's)."""
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    """The ``top_logprobs`` most likely tokens at this position, most likely first."""
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     token_ids: list[int] | None = None

@@ -32,8 +32,9 @@ from minivllm.async_engine import (
     RequestStream,
 )
 from minivllm.exceptions import ValidationError
+from minivllm.logprobs import Logprob
 from minivllm.metrics import Counter
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import RequestOutput, SampleLogprobs
 from minivllm.prometheus import CONTENT_TYPE, render_metrics
 from minivllm.protocol import (
     APIError,
@@ -102,16 +103,19 @@ class OpenAIServing:
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
+        logprobs = CompletionLogprobsMaker() if params.logprobs is not None else None
+
         def choice(out: RequestOutput, text: str, final: bool) -> dict:
             c = out.outputs[0]
-            return {"index": 0, "text": text, "logprobs": None,
+            return {"index": 0, "text": text,
+                    "logprobs": None if logprobs is None else logprobs(c.logprobs or []),
                     "finish_reason": c.finish_reason if final else None,
                     "stop_reason": c.stop_reason if final else None}
 
         if body.stream:
             def chunk(out: RequestOutput) -> dict | None:
                 if not out.new_text and not out.finished:
-                    return None
+                    return None  # its tokens' logprobs go with the next chunk's
                 return {**head, "choices": [choice(out, out.new_text, out.finished)]}
             return sse(stream, chunk, head, body)
         out = await unless_disconnected(request, last_output(stream))
@@ -132,14 +136,15 @@ class OpenAIServing:
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return sse(stream, _chat_chunks(head), head, body)
+            return sse(stream, _chat_chunks(head, params.logprobs), head, body)
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
         raise_if_failed(out)
         c = out.outputs[0]
         message = {"role": "assistant", "content": c.text}
-        choice = {"index": 0, "message": message, "logprobs": None,
+        choice = {"index": 0, "message": message,
+                  "logprobs": None if params.logprobs is None else chat_logprobs(c.logprobs, params.logprobs),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids
@@ -174,12 +179,14 @@ class OpenAIServing:
         return Response(render_metrics(records), media_type=CONTENT_TYPE)
 
 
-def _chat_chunks(head: dict) -> Callable[[RequestOutput], dict | None]:
-    """The chunk maker of a chat stream: OpenAI's first chunk announces the role."""
+def _chat_chunks(head: dict, top_logprobs: int | None = None) -> Callable[[RequestOutput], dict | None]:
+    """The chunk maker of a chat stream: OpenAI's first chunk announces the role. With
+    logprobs (``top_logprobs`` not None) each chunk carries its own tokens' entries."""
     first = True
+    num_sent = 0
 
     def chunk(out: RequestOutput) -> dict | None:
-        nonlocal first
+        nonlocal first, num_sent
         delta: dict[str, str] = {}
         if first:
             delta["role"] = "assistant"
@@ -189,10 +196,62 @@ def _chat_chunks(head: dict) -> Callable[[RequestOutput], dict | None]:
         if not delta and not out.finished:
             return None
         reason = out.outputs[0].finish_reason if out.finished else None
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        logprobs = None
+        if top_logprobs is not None:
+            positions = out.outputs[0].logprobs or []
+            logprobs = chat_logprobs(positions[num_sent:], top_logprobs)
+            num_sent = len(positions)
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": reason}]}
 
     return chunk
+
+
+# -- logprobs in OpenAI's shapes -------------------------------------------------------------
+def _openai_logprob(value: float) -> float:
+    """OpenAI's stand-in for a logprob of -inf (JSON has no infinity)."""
+    return max(value, -9999.0)
+
+
+class CompletionLogprobsMaker:
+    """The completions endpoint's ``logprobs`` for the positions not yet sent (all of them
+    at once without streaming, each chunk's own when streaming). ``text_offset`` counts
+    the characters of the tokens before, over the whole completion (vLLM's rule)."""
+
+    def __init__(self) -> None:
+        self.num_sent = 0
+        self.text_offset = 0
+
+    def __call__(self, positions: SampleLogprobs) -> dict:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for position in positions[self.num_sent:]:
+            chosen = next(iter(position.values()))  # the chosen token comes first
+            token = chosen.decoded_token or ""
+            tokens.append(token)
+            token_logprobs.append(_openai_logprob(chosen.logprob))
+            top_logprobs.append({p.decoded_token or "": _openai_logprob(p.logprob)
+                                 for p in position.values()})
+            text_offset.append(self.text_offset)
+            self.text_offset += len(token)
+        self.num_sent = len(positions)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+def chat_logprobs(positions: SampleLogprobs, top_logprobs: int) -> dict:
+    """The chat endpoint's ``logprobs``: per token its text, logprob and UTF-8 bytes, and
+    the ``top_logprobs`` most likely tokens there (by rank; the chosen one only if it is
+    among them)."""
+    def entry(p: Logprob) -> dict:
+        token = p.decoded_token or ""
+        return {"token": token, "logprob": _openai_logprob(p.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for position in positions:
+        chosen = next(iter(position.values()))
+        top = sorted(position.values(), key=lambda p: p.rank)[:top_logprobs]
+        content.append({**entry(chosen), "top_logprobs": [entry(p) for p in top]})
+    return {"content": content}
 
 
 # -- helpers for the endpoints -------------------------------------------------------------
