@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
-from minivllm.exceptions import ValidationError
+from minivllm.exceptions import ValidationError, check_int
 from minivllm.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
@@ -215,7 +215,10 @@ class ChatCompletionRequest(SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true",
                                   self.top_logprobs)
-        return (self.top_logprobs or 0) if self.logprobs else None
+        # Checked here too, so that an error names the field the client sent.
+        top = check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                        optional=True)
+        return (top or 0) if self.logprobs else None
 
 
 # -- responses (for the schema, and for clients reading it) ----------------------------------
