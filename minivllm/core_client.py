@@ -60,6 +60,7 @@ from minivllm.engine_core import (
     run_engine_core,
 )
 from minivllm.exceptions import ValidationError
+from minivllm.logprobs import to_dict
 from minivllm.metrics import RequestMetrics
 from minivllm.model_loader import resolve_model_dir
 from minivllm.outputs import CompletionOutput, RequestOutput
@@ -77,6 +78,9 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    """With ``logprobs``: vLLM's dicts so far, decoded here (the core sends ids only)."""
+    prompt_logprobs: list | None = None
 
 
 class AsyncMPEngine(AsyncLLMEngine):
@@ -276,10 +280,19 @@ class AsyncMPEngine(AsyncLLMEngine):
         state.token_ids.extend(out.new_token_ids)
         text, new_text = state.detokenizer.get_next_output_text(finished)
         state.metrics.num_cached_tokens = out.num_cached_tokens
-        completion = CompletionOutput(0, text, list(state.token_ids), out.finish_reason,
-                                      out.stop_reason, out.error)
+        cumulative = None
+        if state.logprobs is not None:
+            state.logprobs.extend(to_dict(p, self.tokenizer) for p in out.new_logprobs or [])
+            cumulative = sum(next(iter(d.values())).logprob for d in state.logprobs)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = [None if p is None else to_dict(p, self.tokenizer)
+                                     for p in out.prompt_logprobs]
+        completion = CompletionOutput(
+            0, text, list(state.token_ids), out.finish_reason, out.stop_reason, out.error,
+            None if state.logprobs is None else list(state.logprobs), cumulative)
         return RequestOutput(out.request_id, state.prompt.prompt, state.prompt.prompt_token_ids,
-                             [completion], finished, state.metrics, out.num_cached_tokens, new_text)
+                             [completion], finished, state.metrics, out.num_cached_tokens, new_text,
+                             state.prompt_logprobs)
 
     # -- requests in and out ---------------------------------------------------------------------
     async def call(self, fn: Any, *args: Any) -> Any:
@@ -308,7 +321,8 @@ class AsyncMPEngine(AsyncLLMEngine):
             for child_id, child_params in children:
                 self._states[child_id] = RequestState(
                     prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
-                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
+                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)),
+                    logprobs=[] if params.logprobs is not None else None)
                 self._to_core.send(self._encoder.encode(
                     AddRequest(child_id, list(ids), prompt.prompt, child_params, priority)))
                 self._num_sent += 1

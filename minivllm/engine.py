@@ -38,6 +38,7 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.guided_decoding import GrammarCompiler, GrammarState, GuidedDecodingParams
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
+from minivllm.logprobs import to_dict
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_token
@@ -154,6 +155,12 @@ class LLMEngine:
         """Per-request output text and stop strings (the scheduler sees token ids only)."""
         self._grammar_compiler: GrammarCompiler | None = None
         """Structured output's compiler (and its cache), made at the first guided request."""
+        self._logprob_outputs: dict[str, tuple[list, list | None]] = {}
+        """Per request with logprobs or prompt_logprobs: its entries as vLLM's dicts so far
+        (sample, prompt), decoded once each, not again at every step."""
+        self.decode_logprobs = True
+        """Whether ``Logprob.decoded_token`` is filled in; the engine core process leaves it
+        to the server, which detokenizes (only token ids cross between the two)."""
         self._finished_outputs: list[RequestOutput] = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._parents = ParentRequests()
@@ -304,6 +311,7 @@ class LLMEngine:
             raise
         accepted = self._count_accepted(scheduler_output, result.sampled)
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        self._attach_logprobs(scheduler_output, result)
         finished, got_token = self._process_outputs(updated, outputs)
         self.model_runner.remove_requests(finished)
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted)
@@ -408,6 +416,40 @@ class LLMEngine:
             outputs.append(self._make_output(request))
         return finished, got_token
 
+    def _attach_logprobs(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Append this step's logprobs to the requests that asked. Tokens after a stop
+        (a stop token among accepted drafts) were not kept: neither are their entries."""
+        for s in scheduler_output.scheduled:
+            request = s.request
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
+            if request.logprobs is not None:
+                request.logprobs.extend(result.logprobs.get(request.request_id, []))
+                del request.logprobs[request.num_output_tokens:]
+
+    def _logprobs_output(self, request: Request) -> tuple[list | None, float | None, list | None]:
+        """(sample logprobs, cumulative logprob, prompt logprobs) of the output: vLLM's
+        dicts, made from the request's compact entries as they arrive. Prompt logprobs are
+        given once the whole prompt has run, None before."""
+        if request.logprobs is None and request.prompt_logprobs is None:
+            return None, None, None
+        tokenizer = self.tokenizer if self.decode_logprobs else None
+        sample, prompt = self._logprob_outputs.setdefault(request.request_id, ([], None))
+        cumulative = None
+        if request.logprobs is not None:
+            del sample[request.num_output_tokens:]  # tokens a stop string dropped
+            sample.extend(to_dict(p, tokenizer) for p in request.logprobs[len(sample):request.num_output_tokens])
+            cumulative = sum(next(iter(d.values())).logprob for d in sample)
+        else:
+            sample = None
+        if (prompt is None and request.prompt_logprobs is not None
+                and len(request.prompt_logprobs) == request.num_prompt_tokens):
+            prompt = [None] + [to_dict(p, tokenizer) for p in request.prompt_logprobs[1:]]
+            self._logprob_outputs[request.request_id] = (sample or [], prompt)
+        if request.is_finished:
+            del self._logprob_outputs[request.request_id]
+        return sample, cumulative, prompt
+
     def _fail(self, request: Request, message: str) -> None:
         """Finish one request with finish_reason "error" (it may have finished already
         this step, e.g. on its last token; then only the reason changes)."""
@@ -448,6 +490,7 @@ class LLMEngine:
         text, new_text = detokenizer.get_next_output_text(request.is_finished)
         if request.is_finished:
             del self._detokenizers[request.request_id]
+        logprobs, cumulative_logprob, prompt_logprobs = self._logprobs_output(request)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -460,12 +503,15 @@ class LLMEngine:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     error=request.error,
+                    logprobs=None if logprobs is None else list(logprobs),
+                    cumulative_logprob=cumulative_logprob,
                 )
             ],
             finished=request.is_finished,
             metrics=request.metrics,
             num_cached_tokens=request.metrics.num_cached_tokens,
             new_text=new_text,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,

@@ -101,6 +101,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     error: str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
+    """With ``logprobs``: one compact entry (``minivllm.logprobs.PositionLogprobs``: ids,
+    values, ranks; no text) per new token id."""
+    prompt_logprobs: list[tuple[list[int], list[float], list[int]] | None] | None = None
+    """With ``prompt_logprobs``: every prompt token's entry, sent once, when complete."""
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -141,6 +146,9 @@ class EngineCoreProc:
         self.num_added = 0
         self.num_sent: dict[str, int] = {}
         """Output tokens already sent, per unfinished request."""
+        self.prompt_logprobs_sent: set[str] = set()
+        """Unfinished requests whose prompt logprobs have been sent."""
+        engine.decode_logprobs = False  # the server decodes the tokens of logprobs
 
     def send(self, message: FromCore) -> None:
         self.outbox.send(self.encoder.encode(message), copy=False)
@@ -197,11 +205,25 @@ class EngineCoreProc:
             sent = self.num_sent.pop(out.request_id, 0)
             if not out.finished:
                 self.num_sent[out.request_id] = len(c.token_ids)
-            outputs.append(EngineCoreOutput(out.request_id, c.token_ids[sent:], c.finish_reason,
-                                            c.stop_reason, c.error, out.num_cached_tokens))
+            prompt_logprobs = None
+            if out.prompt_logprobs is not None and out.request_id not in self.prompt_logprobs_sent:
+                prompt_logprobs = [None] + [compact(d) for d in out.prompt_logprobs[1:]]
+                self.prompt_logprobs_sent.add(out.request_id)
+            if out.finished:
+                self.prompt_logprobs_sent.discard(out.request_id)
+            outputs.append(EngineCoreOutput(
+                out.request_id, c.token_ids[sent:], c.finish_reason, c.stop_reason, c.error,
+                out.num_cached_tokens,
+                None if c.logprobs is None else [compact(d) for d in c.logprobs[sent:]],
+                prompt_logprobs))
         scheduler = self.engine.scheduler
         self.send(StepOutputs(outputs, len(scheduler.waiting), len(scheduler.running),
                               self.engine.kv_cache_manager.usage, self.num_added))
+
+
+def compact(position: dict) -> tuple[list[int], list[float], list[int]]:
+    """One position's ``{token_id: Logprob}`` as ids, values and ranks, to cross as msgpack."""
+    return list(position), [p.logprob for p in position.values()], [p.rank for p in position.values()]
 
 
 def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: str,

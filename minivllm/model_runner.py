@@ -19,7 +19,7 @@ accepted drafts plus one token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
@@ -33,6 +33,7 @@ from minivllm.attention import (
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
+from minivllm.logprobs import PositionLogprobs, compute_logprobs
 from minivllm.request import Request
 from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
@@ -92,6 +93,33 @@ class ModelRunnerOutput:
     that had drafts gets a list: its accepted drafts, then the target's token."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """request_id -> one entry per token in ``sampled``, for requests with ``logprobs``."""
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    """request_id -> the next prompt tokens' entries, for requests with ``prompt_logprobs``
+    that ran prompt positions this step (a chunk gives its own positions)."""
+
+
+def prompt_logprob_rows(scheduler_output: SchedulerOutput) -> list[tuple[str, int, int, int]]:
+    """(request id, index in the flat batch, prompt token it predicts, how many top tokens
+    it wants) for every prompt
+    position whose logits a ``prompt_logprobs`` request needs this step.
+
+    Position ``p`` predicts token ``p + 1``; the last prompt position predicts the first
+    output token (the sampler's row), so a prompt of P tokens needs positions 0..P-2. A
+    chunk contributes the positions it runs; positions already scored (a preempted request
+    computing its prompt again) are skipped, so each prompt token is scored once."""
+    rows, offset = [], 0
+    for s in scheduler_output.scheduled:
+        req = s.request
+        done = req.prompt_logprobs
+        if done is not None:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            for p in range(max(start, len(done) - 1), min(end, req.num_prompt_tokens - 1)):
+                rows.append((req.request_id, offset + p - start, req.prompt_token_ids[p + 1],
+                             req.sampling_params.prompt_logprobs))
+        offset += s.num_new_tokens
+    return rows
 
 
 class ModelRunner:
@@ -203,17 +231,60 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
+        # Prompt positions of prompt_logprobs requests get logits too, after the sampler's.
+        prompt_rows = prompt_logprob_rows(scheduler_output)
+        keep = logits_indices + [row[1] for row in prompt_rows]
         t0 = time.perf_counter()
         with planned_linear(self.linears):
             out = self.model(
                 **inputs,
                 use_cache=False,
-                logits_to_keep=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+                logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
             )
-        logits = out.logits[0]  # [len(logits_indices), vocab]
-        sampled = self.sample(logits, requests)
+        logits = out.logits[0]  # [len(keep), vocab]
+        num_sample_rows = len(logits_indices)
+        sampled = self.sample(logits[:num_sample_rows], requests)
+        logprobs, prompt_logprobs = self.gather_logprobs(logits, requests, sampled, prompt_rows)
         model_time = time.perf_counter() - t0
-        return ModelRunnerOutput(sampled=sampled, model_time=model_time)
+        return ModelRunnerOutput(sampled=sampled, model_time=model_time, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def gather_logprobs(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]],
+                        sampled: dict[str, int | list[int] | Exception],
+                        prompt_rows: list[tuple[str, int, int, int]]
+                        ) -> tuple[dict[str, list[PositionLogprobs]], dict[str, list[PositionLogprobs]]]:
+        """The logprobs of the requests that ask, from the rows of ``logits`` (the
+        sampler's rows, then ``prompt_rows``'): one ``compute_logprobs`` for all of them.
+
+        The rows are the raw model output, before logit_bias, penalties and temperature
+        (vLLM's default ``logprobs_mode="raw_logprobs"``; ``minivllm.logprobs``). With
+        drafts, a request's row ``j`` scores its ``j``-th new token: each accepted draft,
+        then the target's own token, are scored at their own positions exactly as if they
+        had been generated one per step."""
+        rows, tokens, num_top, owners = [], [], [], []
+        row = 0
+        for req, drafts in requests:
+            k = req.sampling_params.logprobs
+            got = sampled.get(req.request_id)
+            if k is not None and got is not None and not isinstance(got, Exception):
+                for j, token in enumerate([got] if isinstance(got, int) else got):
+                    rows.append(row + j)
+                    tokens.append(token)
+                    num_top.append(k)
+                    owners.append((False, req.request_id))
+            row += len(drafts) + 1
+        for m, (request_id, _, token, k) in enumerate(prompt_rows):  # after the sampler's rows
+            rows.append(row + m)
+            tokens.append(token)
+            num_top.append(k)
+            owners.append((True, request_id))
+        if not rows:
+            return {}, {}
+        values = compute_logprobs(logits[rows], tokens, num_top)
+        out: tuple[dict, dict] = ({}, {})
+        for (is_prompt, request_id), position in zip(owners, values):
+            out[is_prompt].setdefault(request_id, []).append(position)
+        return out
 
     def sample(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]]
                ) -> dict[str, int | list[int] | Exception]:

@@ -53,6 +53,9 @@ class ParentRequest:
         self.unfinished = set(self.child_ids)
         self._last: RequestOutput | None = None
         self._num_cached_tokens = 0
+        self._prompt_logprobs = None
+        """With ``prompt_logprobs``: the first child's to have them all (the prompt is the
+        same for every child, and so are they)."""
 
     @property
     def n(self) -> int:
@@ -74,6 +77,8 @@ class ParentRequest:
         if out.finished:
             self.unfinished.discard(out.request_id)
         self._num_cached_tokens = max(self._num_cached_tokens, out.num_cached_tokens)
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = out.prompt_logprobs
         if self._last is None or completion.index == 0:
             self._last = out
 
@@ -94,6 +99,7 @@ class ParentRequest:
             finished=self.finished,
             metrics=base.metrics,
             num_cached_tokens=self._num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 

@@ -4,7 +4,7 @@ What this layer checks is what JSON can get wrong: the shape of the body and the
 of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
 ``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
 are refused with a 400 naming them, and so are the OpenAI fields this server does not
-implement (tools, ``best_of``, ``suffix``, logprobs): a field that is accepted and silently ignored would change what a
+implement (tools, ``best_of``, ``suffix``, ``echo``): a field that is accepted and silently ignored would change what a
 client gets without telling it. Each unsupported field is accepted only with the value
 that asks for nothing (``echo: false``, ``best_of: 1``, ...), which some clients send.
 
@@ -30,9 +30,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
-from minivllm.exceptions import ValidationError
+from minivllm.exceptions import ValidationError, check_int
 from minivllm.guided_decoding import GuidedDecodingParams
-from minivllm.sampling_params import MAX_N, MAX_STOP_STRINGS, SEED_MAX, SEED_MIN, SamplingParams
+from minivllm.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
 
 logger = logging.getLogger("minivllm")
 
@@ -180,7 +187,12 @@ class SamplingRequest(APIModel):
             logit_bias=self.logit_bias,
             n=self.n,
             guided_decoding=self.guided_decoding(),
+            logprobs=self.num_logprobs(),
         )
+
+    def num_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` from this endpoint's fields (each names them its way)."""
+        return None
 
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """The structured output the request asks for, from whichever one field asks for
@@ -229,7 +241,9 @@ class CompletionRequest(SamplingRequest):
     prompt: str | TokenIds | Annotated[list[str], Field(json_schema_extra={"maxItems": 1})] | \
         Annotated[list[TokenIds], Field(json_schema_extra={"maxItems": 1})]
     echo: Any = unsupported(False)
-    logprobs: Any = unsupported()
+    logprobs: bounded(int, minimum=0, maximum=MAX_LOGPROBS) = None
+    """OpenAI's (legacy completions): the chosen token's logprob and the ``logprobs`` most
+    likely tokens at each position; 0 is the chosen token alone."""
     best_of: Any = unsupported(1)
     suffix: Any = unsupported()
 
@@ -243,6 +257,9 @@ class CompletionRequest(SamplingRequest):
                     len(p))
             p = p[0]
         return p if isinstance(p, str) else {"prompt_token_ids": p}
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 _TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
@@ -262,13 +279,24 @@ class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})]
     max_completion_tokens: bounded(int, minimum=1) = None
     """The newer OpenAI name for max_tokens."""
-    logprobs: Any = unsupported(False)
-    top_logprobs: Any = unsupported()
+    logprobs: bool | None = None
+    """OpenAI's: each generated token's logprob in ``choices[i].logprobs.content``."""
+    top_logprobs: bounded(int, minimum=0, maximum=MAX_LOGPROBS) = None
+    """OpenAI's: with ``logprobs``, also the ``top_logprobs`` most likely tokens per position."""
     tools: Any = unsupported([])
     tool_choice: Any = unsupported("none")
     parallel_tool_calls: Any = unsupported()
     functions: Any = unsupported([])
     function_call: Any = unsupported("none")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true",
+                                  self.top_logprobs)
+        # Checked here too, so that an error names the field the client sent.
+        top = check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                        optional=True)
+        return (top or 0) if self.logprobs else None
 
 
 # -- responses (for the schema, and for clients reading it) ----------------------------------
@@ -327,10 +355,20 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions logprobs: per generated token its text, its logprob, the most
+    likely tokens there (text -> logprob, the chosen token included) and where its text
+    starts in the completion. A logprob of -inf is sent as -9999.0 (JSON has no infinity)."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     token_ids: list[int] | None = None
@@ -350,10 +388,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    """The UTF-8 bytes of ``token`` (a piece of a multi-byte character is U+FFFD's)."""
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    """The ``top_logprobs`` most likely tokens at this position, most likely first."""
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None
     token_ids: list[int] | None = None

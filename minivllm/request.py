@@ -70,6 +70,13 @@ class Request:
         """Structured output: the request's ``GrammarState`` (``minivllm.guided_decoding``)
         when its params have ``guided_decoding``, set by the engine when it is added. The
         scheduler advances it over each token the request keeps."""
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        """One ``PositionLogprobs`` (``minivllm.logprobs``) per output token, when the request
+        asks for ``logprobs``; None otherwise."""
+        self.prompt_logprobs: list | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None)
+        """With ``prompt_logprobs``: None for the first prompt token, then one
+        ``PositionLogprobs`` per prompt token, filled in as the prompt's chunks run."""
         # Block hashes of this request's full blocks (prefix caching), extended as it grows.
         self.block_hashes: list[bytes] = []
         # No tensors here, not even a seeded request's random generator: the model runner

@@ -36,6 +36,10 @@ MAX_STOP_STRINGS = 16
 MAX_N = 16
 """At most this many completions per prompt (``n``): each is a request of its own, with
 its own KV blocks past the shared prompt, so ``n`` multiplies the work and the memory."""
+MAX_LOGPROBS = 20
+"""The largest ``logprobs`` and ``prompt_logprobs`` (vLLM's default ``max_logprobs``, and
+OpenAI's cap on ``top_logprobs``): each costs a ``topk`` that wide per position and that
+many entries in every output (``minivllm.logprobs``)."""
 
 
 @dataclass
@@ -80,6 +84,15 @@ class SamplingParams:
     guided_decoding: GuidedDecodingParams | None = None
     """Structured output: a JSON schema, regex, choice list or grammar the output must
     match, enforced by masking the logits (``minivllm.guided_decoding``)."""
+    logprobs: int | None = None
+    """Per generated token: its log-probability and rank, plus the ``logprobs`` most likely
+    tokens at that position; 0 is the chosen token alone, None is off; at most
+    ``MAX_LOGPROBS``. The values are those of the model's raw logits (vLLM's default
+    ``logprobs_mode="raw_logprobs"``): before logit_bias, penalties and temperature."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (``RequestOutput.prompt_logprobs``).
+    A request that asks does not take prefix-cache hits: its prompt must run through the
+    model to give the logits."""
 
     def __post_init__(self) -> None:
         self.verify()
@@ -132,6 +145,10 @@ class SamplingParams:
                     "guided_decoding", f"guided_decoding must be a GuidedDecodingParams, got "
                                        f"{type(self.guided_decoding).__name__}", self.guided_decoding)
             self.guided_decoding.verify()
+        self.logprobs = check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                                  optional=True)
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,
+                                         maximum=MAX_LOGPROBS, optional=True)
 
     @property
     def has_penalties(self) -> bool:

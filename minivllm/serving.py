@@ -32,8 +32,9 @@ from minivllm.async_engine import (
     RequestStream,
 )
 from minivllm.exceptions import ValidationError
+from minivllm.logprobs import Logprob
 from minivllm.metrics import Counter
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from minivllm.prometheus import CONTENT_TYPE, render_metrics
 from minivllm.protocol import (
     APIError,
@@ -102,8 +103,13 @@ class OpenAIServing:
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
+        makers: dict[int, CompletionLogprobsMaker] = {}  # per choice: its positions sent so far
+
         def choice(c: CompletionOutput, text: str, final: bool) -> dict:
-            return {"index": c.index, "text": text, "logprobs": None,
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = makers.setdefault(c.index, CompletionLogprobsMaker())(c.logprobs or [])
+            return {"index": c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason if final else None,
                     "stop_reason": c.stop_reason if final else None}
 
@@ -111,6 +117,7 @@ class OpenAIServing:
             deltas = ChoiceDeltas()
 
             def chunk(out: RequestOutput) -> list[dict]:
+                # A choice with no new text waits: its tokens' logprobs go with its next chunk.
                 return [{**head, "choices": [choice(c, text, final)]}
                         for c, text, final, _ in deltas.new(out) if text or final]
             return sse(stream, chunk, head, body)
@@ -133,7 +140,7 @@ class OpenAIServing:
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return sse(stream, _chat_chunks(head), head, body)
+            return sse(stream, _chat_chunks(head, params.logprobs), head, body)
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
@@ -141,7 +148,8 @@ class OpenAIServing:
         choices = []
         for c in out.outputs:
             message = {"role": "assistant", "content": c.text}
-            choice = {"index": c.index, "message": message, "logprobs": None,
+            choice = {"index": c.index, "message": message,
+                      "logprobs": None if params.logprobs is None else chat_logprobs(c.logprobs or [], params.logprobs),
                       "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
@@ -177,10 +185,12 @@ class OpenAIServing:
         return Response(render_metrics(records), media_type=CONTENT_TYPE)
 
 
-def _chat_chunks(head: dict) -> Callable[[RequestOutput], list[dict]]:
+def _chat_chunks(head: dict, top_logprobs: int | None = None) -> Callable[[RequestOutput], list[dict]]:
     """The chunk maker of a chat stream: OpenAI's first chunk of each choice announces
-    the role."""
+    the role. With logprobs (``top_logprobs`` not None) each chunk carries the entries of
+    its own choice's tokens sent since that choice's last chunk."""
     deltas = ChoiceDeltas()
+    num_sent: dict[int, int] = {}  # per choice: positions whose logprobs were sent
 
     def chunk(out: RequestOutput) -> list[dict]:
         chunks = []
@@ -188,9 +198,15 @@ def _chat_chunks(head: dict) -> Callable[[RequestOutput], list[dict]]:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text or first:
                 delta["content"] = text
-            if delta or final:
-                chunks.append({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
-                                                    "finish_reason": c.finish_reason if final else None}]})
+            if not delta and not final:
+                continue  # its tokens' logprobs go with the choice's next chunk
+            logprobs = None
+            if top_logprobs is not None:
+                positions = c.logprobs or []
+                logprobs = chat_logprobs(positions[num_sent.get(c.index, 0):], top_logprobs)
+                num_sent[c.index] = len(positions)
+            chunks.append({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                "finish_reason": c.finish_reason if final else None}]})
         return chunks
 
     return chunk
@@ -219,6 +235,53 @@ class ChoiceDeltas:
                 self.done.add(c.index)
             result.append((c, text, final, first))
         return result
+
+
+# -- logprobs in OpenAI's shapes -------------------------------------------------------------
+def _openai_logprob(value: float) -> float:
+    """OpenAI's stand-in for a logprob of -inf (JSON has no infinity)."""
+    return max(value, -9999.0)
+
+
+class CompletionLogprobsMaker:
+    """The completions endpoint's ``logprobs`` for the positions not yet sent (all of them
+    at once without streaming, each chunk's own when streaming). ``text_offset`` counts
+    the characters of the tokens before, over the whole completion (vLLM's rule)."""
+
+    def __init__(self) -> None:
+        self.num_sent = 0
+        self.text_offset = 0
+
+    def __call__(self, positions: SampleLogprobs) -> dict:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for position in positions[self.num_sent:]:
+            chosen = next(iter(position.values()))  # the chosen token comes first
+            token = chosen.decoded_token or ""
+            tokens.append(token)
+            token_logprobs.append(_openai_logprob(chosen.logprob))
+            top_logprobs.append({p.decoded_token or "": _openai_logprob(p.logprob)
+                                 for p in position.values()})
+            text_offset.append(self.text_offset)
+            self.text_offset += len(token)
+        self.num_sent = len(positions)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+def chat_logprobs(positions: SampleLogprobs, top_logprobs: int) -> dict:
+    """The chat endpoint's ``logprobs``: per token its text, logprob and UTF-8 bytes, and
+    the ``top_logprobs`` most likely tokens there (by rank; the chosen one only if it is
+    among them)."""
+    def entry(p: Logprob) -> dict:
+        token = p.decoded_token or ""
+        return {"token": token, "logprob": _openai_logprob(p.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for position in positions:
+        chosen = next(iter(position.values()))
+        top = sorted(position.values(), key=lambda p: p.rank)[:top_logprobs]
+        content.append({**entry(chosen), "top_logprobs": [entry(p) for p in top]})
+    return {"content": content}
 
 
 # -- helpers for the endpoints -------------------------------------------------------------

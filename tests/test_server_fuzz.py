@@ -122,7 +122,8 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
         bad(path, json.dumps(base).encode()[:-1] + b', "presence_penalty": NaN}', "presence_penalty")
     for prompt in (None, 5, [], "", [1.5], [-1], [10**9], ["a", "b"], [[1], [2]], [1] * 100, [True]):
         bad(C, {"prompt": prompt, "max_tokens": 4} if prompt is not None else {"max_tokens": 4}, "prompt")
-    for field, value in (("echo", True), ("logprobs", 1), ("best_of", 2), ("suffix", "x")):
+    for field, value in (("echo", True), ("logprobs", 21), ("logprobs", True), ("logprobs", -1),
+                         ("best_of", 2), ("suffix", "x")):
         bad(C, {"prompt": "hi", field: value}, field)
     for messages in ([], "hello", [{"role": "user"}], [{"content": "x"}],
                      [{"role": "robot", "content": "x"}], [{"role": "user", "content": 5}],
@@ -135,7 +136,8 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
                      [{"role": "user", "content": "hi", "name": "bob"}],
                      [{"role": "user", "content": "x" * 600}]):
         bad(CHAT, {"messages": messages}, "messages")
-    for field, value in (("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function"}]),
+    for field, value in (("logprobs", 1), ("top_logprobs", 2), ("top_logprobs", 21),
+                         ("tools", [{"type": "function"}]),
                          ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
                          ("parallel_tool_calls", True), ("max_completion_tokens", 0)):
         bad(CHAT, {"messages": MSG, field: value}, field)

@@ -83,6 +83,11 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
+        scored = getattr(request, "prompt_logprobs", None)
+        if scored is not None and len(scored) < request.num_prompt_tokens:
+            # prompt_logprobs need the logits of every prompt position: a cached block would
+            # skip them. Such a request reads no hits (its own blocks are still cached).
+            return [], 0
         hits = self.find_longest_cache_hit(request)
         num_hit_tokens = len(hits) * self.block_size
         stats = self.prefix_cache_stats
