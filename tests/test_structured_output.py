@@ -99,6 +99,19 @@ def test_a_regex_yields_only_matches(llm):
         assert out.finish_reason == "stop" and re.fullmatch(REGEX, out.text), out.text
 
 
+def test_each_child_of_n_gets_its_own_grammar_state(llm):
+    """n > 1 fans out into child requests, each added on its own: each has its own matcher
+    (a shared one would advance over every child's tokens)."""
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=64, n=4,
+                            guided_decoding=GuidedDecodingParams(json=SCHEMA,
+                                                                 disable_any_whitespace=True))
+    out = llm.generate("JSON:", params, use_tqdm=False)[0]
+    assert len(out.outputs) == 4
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
 def test_greedy_and_ignore_eos_still_stop_when_the_grammar_is_complete(llm):
     """Greedy takes the argmax of the masked logits; with ignore_eos the request still
     ends when the grammar has accepted the end of sequence: nothing valid is left."""
