@@ -68,7 +68,8 @@ def _xgrammar():
 
 @dataclass
 class GuidedDecodingParams:
-    """Which outputs a request allows; exactly one of the five ways must be set::
+    """Which outputs a request allows; exactly one of the five ways must be set, for
+    example::
 
         SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
         SamplingParams(guided_decoding=GuidedDecodingParams(
