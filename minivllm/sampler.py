@@ -11,8 +11,9 @@ that ask for it, the whole batch at once (vLLM's order): ``logit_bias`` is added
 repetition penalty (tokens seen in the prompt or the output), then the frequency and
 presence penalties (tokens seen in the output only), then, for requests with structured
 output, the grammar's mask (every token the grammar forbids gets ``-inf``;
-``minivllm.guided_decoding``). Greedy takes the argmax of those logits. ``min_p`` comes after temperature and before top-k/top-p. Rows of requests that
-ask for none of this are not touched.
+``minivllm.guided_decoding``). Greedy takes the argmax of those logits. ``min_p`` comes
+after temperature and before top-k/top-p. Rows of requests that ask for none of this are
+not touched.
 
 A failure while sampling one row (NaN logits from the model, a distribution that cannot
 be drawn from) belongs to that request alone: its slot in the result holds the exception
