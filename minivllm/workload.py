@@ -263,3 +263,61 @@ def summarize(workload: list[WorkloadRequest]) -> dict[str, float]:
         "max_output": max(o, default=0),
         "last_arrival": max((r.arrival_time for r in workload), default=0.0),
     }
+
+
+DOCUMENT_QUESTIONS = (
+    "What is this for?", "Give one example of its use.", "What can go wrong with it?",
+    "Summarize it in one sentence.", "Which argument matters most, and why?",
+    "How would you explain it to a beginner?", "What does it return?", "When should it not be used?",
+)
+
+
+def document_workload(
+    tokenizer: PreTrainedTokenizerBase | None,
+    num_documents: int = 8,
+    questions_per_document: int = 4,
+    seed: int = 0,
+    document_len: int = 256,
+    output_len: int | tuple[int, int] = (16, 64),
+    rate: float | None = None,
+    vocab_size: int = 512,
+) -> list[WorkloadRequest]:
+    """Requests in groups that share a long prefix: ``num_documents`` documents of
+    ``document_len`` tokens, each asked ``questions_per_document`` questions (the user
+    pastes a document, then asks about it several times, as in a multi-turn chat over
+    a file). Within a group every prompt starts with the same template and document, so
+    a replica that served one question holds the blocks the next question needs; across
+    groups only the template is shared. This is the workload on which the choice of
+    replica decides the prefix-cache hit rate (``minivllm bench router``, notebook 14).
+
+    The questions of all documents are interleaved in a seeded random order; ``rate``
+    None: all arrive at 0, else Poisson arrivals at ``rate`` requests per second.
+    ``tokenizer`` None: random token ids below ``vocab_size`` (tiny test models).
+    """
+    if num_documents < 1 or questions_per_document < 1 or document_len < 1:
+        raise ValueError("num_documents, questions_per_document and document_len must be >= 1")
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be > 0 requests/s (or None for all at once), got {rate}")
+    rng = random.Random(seed)
+    order = [(d, q) for d in range(num_documents) for q in range(questions_per_document)]
+    rng.shuffle(order)
+    if tokenizer is not None:
+        template = _ChatTemplate(tokenizer)
+        system_ids = tokenizer.encode(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)
+        stream = [t for d in _corpus_token_ids(tokenizer) for t in d]
+        starts = rng.sample(range(0, len(stream) - document_len), num_documents)
+        documents = [stream[s:s + document_len] for s in starts]
+        questions = [tokenizer.encode("\n\n" + q, add_special_tokens=False) for q in DOCUMENT_QUESTIONS]
+    else:
+        documents = [rng.choices(range(vocab_size), k=document_len) for _ in range(num_documents)]
+        questions = [rng.choices(range(vocab_size), k=8) for _ in DOCUMENT_QUESTIONS]
+    t, out = 0.0, []
+    for d, q in order:
+        if rate is not None:
+            t += rng.expovariate(rate)
+        user = documents[d] + questions[(d + q) % len(questions)]
+        ids = template.ids(list(system_ids), user) if tokenizer is not None else list(user)
+        text = tokenizer.decode(questions[(d + q) % len(questions)]).strip() if tokenizer is not None else None
+        out.append(WorkloadRequest(f"doc{d}-q{q}", ids, _draw_length(rng, output_len, "uniform"), t,
+                                   f"[document {d}] {text}" if text else None))
+    return out

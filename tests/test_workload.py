@@ -95,3 +95,20 @@ def test_chat_workload_is_chat_templated_and_deterministic(tokenizer):
     shared = chat_workload(tokenizer, n=4, seed=1, shared_prefix_len=100, prompt_len=(150, 300))
     head = len(tokenizer.encode("<|im_start|>system\n", add_special_tokens=False))
     assert len({tuple(r.prompt_token_ids[: head + 100]) for r in shared}) == 1
+
+
+def test_document_workload_groups_share_their_document_prefix():
+    from minivllm.workload import document_workload
+
+    w = document_workload(None, num_documents=3, questions_per_document=4, document_len=32, rate=2.0)
+    assert len(w) == 12 and len({r.request_id for r in w}) == 12
+    assert all(b.arrival_time >= a.arrival_time for a, b in zip(w, w[1:]))
+    by_doc: dict[str, list] = {}
+    for r in w:
+        by_doc.setdefault(r.request_id.split("-")[0], []).append(r.prompt_token_ids)
+    assert len(by_doc) == 3
+    for prompts in by_doc.values():
+        assert all(p[:32] == prompts[0][:32] for p in prompts)  # the same document first
+    firsts = [prompts[0][:32] for prompts in by_doc.values()]
+    assert len({tuple(f) for f in firsts}) == 3  # different documents
+    assert document_workload(None, 3, 4, document_len=32, rate=2.0) == w  # seeded
