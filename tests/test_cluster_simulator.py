@@ -141,3 +141,23 @@ def test_sweep_gives_a_row_per_policy_and_count():
     assert [r.hit_rate for r in rows] == [s.hit_rate for s in seen]
     assert rows[0].hit_rate == rows[1].hit_rate  # one replica: the policy cannot matter
     assert all(r.num_requests == 30 and r.p99_ttft >= r.p50_ttft > 0 for r in rows)
+
+
+def test_the_sweep_figure_draws_the_rows():
+    from minivllm import viz
+
+    rows = sweep(lambda n: docs(rate=2.0 * n, num_documents=10, questions=3), [1, 2, 4],
+                 ["round_robin", "prefix_aware"], cost_model=COST)
+    fig = viz.plot_cluster_sweep(rows, time_source=COST.label)
+    assert tuple(fig.get_size_inches()) == viz.CLUSTER_SWEEP_SIZE
+    hit_ax, ttft_ax = fig.axes
+    lines = {line.get_gid(): line for a in fig.axes for line in a.get_lines()}
+    for policy in ("round_robin", "prefix_aware"):
+        mine = [r for r in rows if r.policy == policy]
+        hit = lines[f"hit_rate:{policy}"]
+        assert list(hit.get_xdata()) == [1, 2, 4]
+        assert list(hit.get_ydata()) == pytest.approx([100 * r.hit_rate for r in mine])
+        assert list(lines[f"p99_ttft:{policy}"].get_ydata()) == pytest.approx([1e3 * r.p99_ttft for r in mine])
+        assert lines[f"mean_ttft:{policy}"].get_color() == viz.POLICY_COLORS[policy]
+    with pytest.raises(ValueError, match="no sweep rows"):
+        viz.plot_cluster_sweep([])
