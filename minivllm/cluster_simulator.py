@@ -40,6 +40,7 @@ over replica counts and policies is ``minivllm bench simulate-cluster``.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -213,7 +214,14 @@ def simulate_cluster(
     config.setdefault("max_trace_steps", MAX_TRACE_STEPS)
     first = make_simulated_engine(cost_model, **config)
     cost_model = first.model_runner.cost_model  # resolved once (this machine's, or the shipped one)
-    engines = [first] + [make_simulated_engine(cost_model, **config) for _ in range(num_replicas - 1)]
+    engines = [first]
+    logger = logging.getLogger("minivllm")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))  # the replicas are alike: the first one's
+    try:                                          # KV cache line says it for all of them
+        engines += [make_simulated_engine(cost_model, **config) for _ in range(num_replicas - 1)]
+    finally:
+        logger.setLevel(level)
     router = _policy_for(policy, engines[0].config.block_size)
     states = [ReplicaState(str(i)) for i in range(num_replicas)]
     counts = [0] * num_replicas
