@@ -161,3 +161,20 @@ def test_the_sweep_figure_draws_the_rows():
         assert lines[f"mean_ttft:{policy}"].get_color() == viz.POLICY_COLORS[policy]
     with pytest.raises(ValueError, match="no sweep rows"):
         viz.plot_cluster_sweep([])
+
+
+def test_cli_bench_simulate_cluster(capsys, tmp_path):
+    from minivllm.cli import main
+
+    assert main(["bench", "simulate-cluster", "--num-requests", "40", "--cluster-replicas", "1,2",
+                 "--figures", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "40 requests (10 documents of 256 tokens, 4 questions each)" in out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [(r[0], r[1]) for r in table] == [(str(n), p) for n in (1, 2) for p in ROUTING_POLICIES]
+    assert len({r[2] for r in table[:3]}) == 1  # one replica: one hit rate, whatever the policy
+    assert (tmp_path / "cluster_sweep.png").exists()
+    with pytest.raises(SystemExit, match="--cluster-policies takes names of round_robin"):
+        main(["bench", "simulate-cluster", "--cluster-policies", "random"])
+    with pytest.raises(SystemExit, match="--cluster-replicas takes integers >= 1"):
+        main(["bench", "simulate-cluster", "--cluster-replicas", "0,2"])
