@@ -30,7 +30,7 @@ steps). Three rules follow from that order:
 With one replica the loop does exactly what ``replay_workload`` does, so every policy
 gives the single-engine simulator's numbers (the tests check it, request by request).
 
-What a run keeps: a small summary per request (its own :class:`RequestMetrics`
+What a run keeps: a small summary per request (its own :class:`~minivllm.metrics.RequestMetrics`
 timestamps, replica and prompt-cache hits) and per replica (requests, prefix-cache
 queries and hits, busy time, free blocks at the end); the engines' traces keep only
 their last few steps, so memory stays bounded for thousands of requests. The sweep

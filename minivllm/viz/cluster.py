@@ -4,16 +4,13 @@ number of replicas, one line per routing policy (:func:`minivllm.cluster_simulat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from minivllm.cluster_simulator import SweepRow
 from minivllm.viz.style import _new_figure, _note_time_source
-
-if TYPE_CHECKING:
-    from minivllm.cluster_simulator import SweepRow
 
 CLUSTER_SWEEP_SIZE = (10.0, 4.0)
 POLICY_COLORS = {"round_robin": "#e15759", "least_outstanding": "#4e79a7", "prefix_aware": "#59a14f"}
