@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from minivllm.bench import (
+    cluster,
     latency,
     linear,
     memory,
@@ -26,6 +27,7 @@ from minivllm.bench import (
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
+from minivllm.routing import ROUTING_POLICIES
 
 MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "throughput": throughput.main,
@@ -39,6 +41,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "fit-simulator": simulate.fit_main,
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
+    "simulate-cluster": cluster.main,
     "serve": serve.main,
 }
 
@@ -48,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("mode", choices=list(MODES))
     add_engine_arguments(parser, ("model", *ENGINE_SETTINGS))
     parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests in the workload (default 32; simulate: 10000)")
+                        help="requests in the workload (default 32; simulate: 10000; simulate-cluster: 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="latency: request rates (req/s)")
@@ -76,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-modes", default="thread,process",
                         help="serve: the servers to compare (thread: engine in the server process; "
                              "process: engine core in its own process)")
+    parser.add_argument("--cluster-replicas", default="1,2,4,8,16,32,64",
+                        help="simulate-cluster: the replica counts swept")
+    parser.add_argument("--cluster-policies", default=",".join(ROUTING_POLICIES),
+                        help="simulate-cluster: the routing policies compared")
+    parser.add_argument("--rate-per-replica", type=float, default=2.0,
+                        help="simulate-cluster: Poisson arrivals per second per replica (the rate "
+                             "grows with the replica count, so each replica sees the same load)")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 

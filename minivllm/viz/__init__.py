@@ -17,13 +17,14 @@ batch composition and its row in the timeline; each figure carries the key.
     viz.replay(llm.trace)        # step slider + play button in Jupyter
 
 One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
-``steps``, ``architecture``, ``spec_decode``), with the shared colours and sizes in ``style`` and
-:func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
+``steps``, ``architecture``, ``spec_decode``, ``cluster``), with the shared colours and
+sizes in ``style`` and :func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
 is all a notebook needs.
 """
 
 from minivllm.viz.architecture import plot_architecture, plot_process_split
 from minivllm.viz.batch import plot_batch_composition, plot_flat_batch
+from minivllm.viz.cluster import CLUSTER_SWEEP_SIZE, POLICY_COLORS, plot_cluster_sweep
 from minivllm.viz.kv_cache import (
     block_owners,
     memory_waste,
@@ -62,6 +63,7 @@ __all__ = [
     "ARCHITECTURE_SIZE",
     "BATCH_SIZE",
     "BLOCK_TABLE_SIZE",
+    "CLUSTER_SWEEP_SIZE",
     "DECODE_COLOR",
     "FEW_SAMPLES",
     "FIGURES_ENV",
@@ -71,6 +73,7 @@ __all__ = [
     "LATENCY_SIZE",
     "MAX_KEYED_REQUESTS",
     "MEMORY_WASTE_SIZE",
+    "POLICY_COLORS",
     "PREEMPTED_COLOR",
     "PREFILL_COLOR",
     "PREFILL_HATCH",
@@ -86,6 +89,7 @@ __all__ = [
     "plot_architecture",
     "plot_batch_composition",
     "plot_block_table",
+    "plot_cluster_sweep",
     "plot_flat_batch",
     "plot_kv_usage",
     "plot_latency",
