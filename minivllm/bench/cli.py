@@ -21,6 +21,7 @@ from minivllm.bench import (
     serve,
     simulate,
     speculative,
+    tensor_parallel,
     throughput,
 )
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
@@ -40,6 +41,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
     "serve": serve.main,
+    "tensor-parallel": tensor_parallel.main,
 }
 
 
@@ -76,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-modes", default="thread,process",
                         help="serve: the servers to compare (thread: engine in the server process; "
                              "process: engine core in its own process)")
+    parser.add_argument("--tp-sizes", default="1,2,3",
+                        help="tensor-parallel: the tensor_parallel_size values compared (T=1 first)")
+    parser.add_argument("--tp-max-tokens", type=int, default=32,
+                        help="tensor-parallel: greedy output tokens per request")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 
