@@ -157,3 +157,12 @@ def test_smollm2_with_three_ranks_is_token_identical_to_one():
         LLM(model, tokenizer=tokenizer, tensor_parallel_size=2, log_stats_interval=0)
     with LLM(model, tokenizer=tokenizer, tensor_parallel_size=3, log_stats_interval=0) as llm:
         assert run_engine(llm, prompts, lengths) == one
+
+
+def test_the_command_line_takes_tensor_parallel_size():
+    from minivllm.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
+    assert parser.parse_args(["generate", "hi", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
+    assert parser.parse_args(["bench", "tensor-parallel", "--tp-sizes", "1,3"]).tp_sizes == "1,3"

@@ -6,7 +6,10 @@
 and on a tiny random model whose 6 heads divide 1, 2 and 3. For each T it reports the
 forward pass of the decode steps and of the steps with prompt tokens, split into
 compute and communication (rank 0's and the slowest worker's), the all-reduces per
-step, the throughput, and whether the tokens are identical to T=1.
+step, the throughput, and whether the tokens are identical to T=1. Before those, one
+all-reduce is timed alone (``measure_all_reduce``: T processes doing nothing else), the
+transport's own cost; in a step an all-reduce costs more, because it also waits for the
+slowest rank to arrive.
 
 On one CPU the ranks share the same cores and memory bandwidth, so splitting the model
 saves no arithmetic time and adds an all-reduce per block: T > 1 is slower here, and
@@ -21,6 +24,7 @@ import statistics
 import time
 
 from minivllm.bench.common import load_tokenizer
+from minivllm.distributed.parallel_state import measure_all_reduce
 from minivllm.model_loader import DEFAULT_MODEL, make_tiny_model
 from minivllm.sampling_params import SamplingParams
 
@@ -115,6 +119,12 @@ def main(args: argparse.Namespace) -> int:
                   block_size=args.block_size)
     print(f"{n} requests, {max_tokens} greedy tokens each, tensor_parallel_size in {sizes}")
     compare(args.model, args.model, sizes, prompts, max_tokens, **engine)
+    hidden = 576  # SmolLM2-135M's hidden size: a decode step all-reduces one row per request
+    print("all-reduce alone (gloo over loopback, no model running), float32 values:")
+    for t in sorted(set(sizes) - {1}):
+        for rows in (1, n, 64):
+            us = 1e6 * measure_all_reduce(t, rows * hidden)
+            print(f"  T={t}: {rows:3d} x {hidden} values: {us:8.1f} us per all-reduce")
     if args.model == DEFAULT_MODEL:
         # 6 query heads and 6 KV heads divide 1, 2 and 3; SmolLM2-like widths, 8 layers.
         tiny = make_tiny_model("llama", vocab_size=tokenizer.vocab_size, hidden_size=576,

@@ -99,3 +99,43 @@ def init_tensor_parallel_group(store: dist.Store, rank: int, world_size: int,
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
         pg = dist.ProcessGroupGloo(store, rank, world_size, options)
     return TensorParallelGroup(rank, world_size, pg)
+
+
+# -- the cost of one all-reduce, alone ---------------------------------------------------
+def _latency_worker(rank: int, world_size: int, port: int, numel: int, iters: int) -> None:
+    group = init_tensor_parallel_group(connect_store(port, world_size), rank, world_size,
+                                       torch.device("cpu"))
+    _time_all_reduces(group, numel, iters)
+
+
+def _time_all_reduces(group: TensorParallelGroup, numel: int, iters: int) -> float:
+    tensor = torch.ones(numel)
+    for _ in range(10):  # warm-up: connections, buffers
+        group.all_reduce(tensor)
+    group.reset_timing()
+    for _ in range(iters):
+        group.all_reduce(tensor)
+    return group.comm_time / iters
+
+
+def measure_all_reduce(world_size: int, numel: int, iters: int = 200) -> float:
+    """Seconds per all-reduce of ``numel`` float32 values among ``world_size`` CPU
+    processes doing nothing else: the transport's own cost (gloo over loopback). In a
+    real step an all-reduce also waits for the slowest rank to arrive; the difference
+    between the two is that waiting."""
+    import torch.multiprocessing as torch_mp
+
+    store = open_store(world_size)
+    ctx = torch_mp.get_context("spawn")
+    workers = [ctx.Process(target=_latency_worker, args=(r, world_size, store.port, numel, iters))
+               for r in range(1, world_size)]
+    for w in workers:
+        w.start()
+    try:
+        group = init_tensor_parallel_group(store, 0, world_size, torch.device("cpu"))
+        return _time_all_reduces(group, numel, iters)
+    finally:
+        for w in workers:
+            w.join(30)
+            if w.is_alive():
+                w.kill()
