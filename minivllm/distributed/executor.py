@@ -26,6 +26,12 @@ rest. This works for a checkpoint and for a model made in memory (``make_tiny_mo
 alike. On CUDA the model is sent from the CPU and each worker moves its shard to its
 own GPU (``cuda:rank``).
 
+**The linear-backend plan still applies.** Rank 0 chooses the plan as without tensor
+parallelism (``minivllm.linear``: measured on the full model, by row count), and every
+rank runs its sharded layers through it: the sharded layers are still plain
+``nn.Linear`` (so ``planned_linear`` swaps them as usual, and their all-reduce hooks
+stay on them), and a plan chooses by the number of rows, which sharding does not change.
+
 **Workers never outlive the engine.** Each worker waits for its next message with a
 timeout and exits when its parent process has gone (or its pipe closed); it ignores
 Ctrl-C (the parent, which gets it too, shuts the workers down). :meth:`shutdown` (from
