@@ -166,3 +166,18 @@ def test_the_command_line_takes_tensor_parallel_size():
     assert parser.parse_args(["serve", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
     assert parser.parse_args(["generate", "hi", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
     assert parser.parse_args(["bench", "tensor-parallel", "--tp-sizes", "1,3"]).tp_sizes == "1,3"
+
+
+def test_bench_compares_sizes_splits_the_forward_and_reports_a_refused_size(capsys):
+    from minivllm.bench.tensor_parallel import compare
+
+    model = make_tiny_model("llama", vocab_size=VOCAB, num_attention_heads=6, num_key_value_heads=6,
+                            hidden_size=48, intermediate_size=96)
+    prompts, _ = random_workload(3, VOCAB, seed=7, max_len=12)
+    rows = compare("tiny", model, [1, 2, 4], prompts, 4, linear_backend="torch")
+    one, two, four = rows
+    assert two["identical_to_T1"] is True and two["tokens"] == one["tokens"]
+    assert two["decode_comm_ms"] > 0 and one["decode_comm_ms"] == 0
+    assert two["all_reduces_per_step"] == 2 * model.config.num_hidden_layers
+    assert "6 attention heads" in four["refused"]
+    assert "T=4: refused" in capsys.readouterr().out

@@ -20,8 +20,11 @@ bandwidth, and the all-reduce runs over NVLink; that is where tensor parallelism
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+import torch
 
 from minivllm.bench.common import load_tokenizer
 from minivllm.distributed.parallel_state import measure_all_reduce
@@ -46,6 +49,18 @@ def run_one(model, tensor_parallel_size: int, prompts: list[list[int]], max_toke
     from minivllm import LLM
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # Rank 0 takes the same share of the cores as each worker (the executor gives them
+    # cpu_count // T threads), as each GPU would be a device of its own.
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tensor_parallel_size))
+    try:
+        return _run_one(LLM, model, tensor_parallel_size, prompts, max_tokens, params, **engine)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run_one(LLM, model, tensor_parallel_size: int, prompts: list[list[int]], max_tokens: int,
+             params: SamplingParams, **engine) -> dict:
     t_start = time.perf_counter()
     with LLM(model, tensor_parallel_size=tensor_parallel_size, log_stats_interval=0, **engine) as llm:
         startup = time.perf_counter() - t_start
@@ -55,7 +70,7 @@ def run_one(model, tensor_parallel_size: int, prompts: list[list[int]], max_toke
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t0
         steps = list(llm.trace.steps)
-    row: dict = {"T": tensor_parallel_size, "startup_s": startup, "wall_s": wall,
+    row: dict = {"T": tensor_parallel_size, "threads_per_rank": torch.get_num_threads(), "startup_s": startup, "wall_s": wall,
                  "tokens": [o.outputs[0].token_ids for o in outs],
                  "output_tok_s": len(prompts) * max_tokens / wall}
     for kind, sel in (("decode", [s for s in steps if s.num_prefill_tokens == 0]),
@@ -91,7 +106,7 @@ def compare(label: str, model, sizes: list[int], prompts: list[list[int]], max_t
         base = next((r for r in rows if r["T"] == 1), None)
         row["identical_to_T1"] = None if base is None else row["tokens"] == base["tokens"]
         rows.append(row)
-        print(f"{label} T={t}: startup {row['startup_s']:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
+        print(f"{label} T={t} ({row['threads_per_rank']} threads per rank): startup {row['startup_s']:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
               f"identical to T=1: {row['identical_to_T1']}")
         for kind in ("decode", "prefill"):
             if f"{kind}_steps" in row:
