@@ -11,7 +11,6 @@ import gc
 import os
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -120,23 +119,36 @@ def test_two_engines_at_once_then_garbage_collection_and_a_failed_step_end_the_w
         run_engine(b, prompts, lengths)
 
 
-def test_workers_end_when_the_engine_process_is_killed(tmp_path):
-    script = textwrap.dedent("""
-        import os, signal
-        from minivllm import LLM
-        from minivllm.model_loader import make_tiny_model
+PARENT = """
+import os, signal
+from minivllm import LLM, SamplingParams
+from minivllm.model_loader import make_tiny_model
 
-        if __name__ == "__main__":
-            llm = LLM(make_tiny_model("llama", num_attention_heads=4, num_key_value_heads=2),
-                      tensor_parallel_size=2, log_stats_interval=0, linear_backend="torch")
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
-            print(*llm.llm_engine.executor.worker_pids, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: as if it crashed
-    """)
+if __name__ == "__main__":
+    llm = LLM(make_tiny_model("llama", num_attention_heads=4, num_key_value_heads=2),
+              tensor_parallel_size=2, log_stats_interval=0, linear_backend="torch")
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], use_tqdm=False)
+    print(*llm.llm_engine.executor.worker_pids, flush=True)
+    if "{how}" == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: as if it crashed
+    # Ctrl-C in the middle of a long generate(): KeyboardInterrupt in the main thread.
+    signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    llm.generate([{{"prompt_token_ids": [1, 2, 3]}}] * 8,
+                 SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
+    print("not interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_workers_end_when_the_engine_process_is_killed_or_interrupted(tmp_path, how):
     path = tmp_path / "parent.py"
-    path.write_text(script)
+    path.write_text(PARENT.replace("{how}", how).replace("{{", "{").replace("}}", "}"))
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=90,
                           cwd=os.getcwd())
+    assert proc.returncode != 0 and "not interrupted" not in proc.stdout
+    if how == "ctrl-c":
+        assert "KeyboardInterrupt" in proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1, proc.stderr
     assert wait_gone(pids, timeout=10)
