@@ -11,7 +11,7 @@ from minivllm.exceptions import ValidationError
 from minivllm.model_loader import DEFAULT_MODEL
 
 GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "device",
-                     "speculative_config")
+                     "tensor_parallel_size", "speculative_config")
 """The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
 SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")
 """Every engine setting, except the trace's length: a server keeps its last 1000 steps."""
@@ -30,6 +30,7 @@ def _generate(args: argparse.Namespace) -> int:
     for piece in pieces:
         print(piece, end="", flush=True)
     print()
+    llm.close()  # ends the tensor-parallel workers, if any
     return 0
 
 

@@ -104,6 +104,10 @@ class EngineConfig:
     sampler_cls: str | type = setting(
         "minivllm.sampler:Sampler",
         "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
+    tensor_parallel_size: int = setting(
+        1, "split the model across this many processes (rank 0 is the engine's own), by "
+           "attention heads and MLP slices, joined by torch.distributed (gloo on a CPU, NCCL "
+           "on GPUs, one per rank; minivllm.distributed); must divide the query and KV heads")
     speculative_config: dict | None = setting(
         None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -139,6 +143,8 @@ class EngineConfig:
             raise ValidationTypeError("device", f"device must be a string such as 'cpu', 'cuda' or "
                                       f"'auto', got {self.device!r}", self.device)
         self.seed = check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size,
+                                              minimum=1)
         self.max_trace_steps = check_int("max_trace_steps", self.max_trace_steps, minimum=1,
                                          optional=True)
         self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,

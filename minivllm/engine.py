@@ -17,6 +17,7 @@ A request's state lives in three places, each freed when it finishes: the schedu
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -35,13 +36,20 @@ from minivllm.config import (
 )
 from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.distributed.executor import MultiprocExecutor, StepTiming
+from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.guided_decoding import GrammarCompiler, GrammarState, GuidedDecodingParams
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.logprobs import to_dict
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
-from minivllm.model_runner import ModelRunner, ModelRunnerOutput, kv_cache_bytes_per_token
+from minivllm.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    kv_cache_bytes_per_token,
+    kv_cache_shape,
+)
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
@@ -77,7 +85,9 @@ class LLMEngine:
         self.clock = clock
         self._resolve(model, tokenizer)
         model_max_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        size = size_kv_cache(config, kv_cache_bytes_per_token(self.model, self.dtype), model_max_len)
+        size = size_kv_cache(
+            config, kv_cache_bytes_per_token(self.model, self.dtype, config.tensor_parallel_size),
+            model_max_len)
         self.max_model_len = size.max_model_len
         self._wire(size, model_runner)
         logger.info(
@@ -112,7 +122,14 @@ class LLMEngine:
         if model is None:
             model, tokenizer = load_model(config.model, self.dtype, self.device)
         else:
+            if config.tensor_parallel_size > 1:  # sharding changes it in place: not the caller's
+                model = copy.deepcopy(model)
             model = model.to(device=self.device, dtype=self.dtype).eval()
+        if config.tensor_parallel_size > 1:
+            try:
+                check_tensor_parallel_size(model.config, config.tensor_parallel_size)
+            except ValueError as e:
+                raise ValidationError("tensor_parallel_size", str(e), config.tensor_parallel_size) from None
         self.model = model
         self.tokenizer = tokenizer
         # "auto" becomes a plan measured on this machine (or read from its cache).
@@ -137,10 +154,20 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
+        self.executor: MultiprocExecutor | None = None
+        """With tensor_parallel_size > 1: the worker processes (``minivllm.distributed``)."""
+        if model_runner is None and config.tensor_parallel_size > 1:
+            num_layers, num_kv_heads, head_dim = kv_cache_shape(self.model.config,
+                                                                config.tensor_parallel_size)
+            self.executor = MultiprocExecutor(
+                self.model, config.tensor_parallel_size, self.device, self.dtype,
+                self.attention_backend_cls, (size.num_blocks, config.block_size, num_kv_heads, head_dim),
+                num_layers, self.linear_plan)
         self.model_runner = model_runner or ModelRunner(
             self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
             config.seed, linear_plan=self.linear_plan,
             sampler_cls=load_component("sampler_cls", config.sampler_cls),
+            executor=self.executor,
         )
         self.processor = Processor(self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
@@ -314,7 +341,8 @@ class LLMEngine:
         self._attach_logprobs(scheduler_output, result)
         finished, got_token = self._process_outputs(updated, outputs)
         self.model_runner.remove_requests(finished)
-        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted)
+        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
+                     getattr(result, "parallel", None))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
         if self.draft_length is not None:
@@ -515,7 +543,7 @@ class LLMEngine:
         )
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
-                finished: list[str], accepted: dict[str, int]) -> None:
+                finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None) -> None:
         kv = self.kv_cache_manager
         tables = {r.request_id: kv.get_block_ids(r.request_id) for r in self.scheduler.running}
         refs: dict[int, int] = {}
@@ -542,6 +570,7 @@ class LLMEngine:
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 finished=finished,
+                parallel=parallel,
             )
         )
         self._step_index += 1
@@ -560,6 +589,11 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown()
 
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (``minivllm:`` prefix)."""

@@ -63,6 +63,7 @@ class LLM:
         kv_cache_manager_cls: str | type = "minivllm.core.kv_cache_manager:KVCacheManager",
         block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
         sampler_cls: str | type = "minivllm.sampler:Sampler",
+        tensor_parallel_size: int = 1,
         speculative_config: dict | None = None,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
@@ -94,6 +95,7 @@ class LLM:
             kv_cache_manager_cls=kv_cache_manager_cls,
             block_pool_cls=block_pool_cls,
             sampler_cls=sampler_cls,
+            tensor_parallel_size=tensor_parallel_size,
             speculative_config=speculative_config,
         )
         loaded = None if isinstance(model, str) else model
@@ -101,6 +103,18 @@ class LLM:
         self._counter = itertools.count()
         self._outputs: dict[str, deque[RequestOutput]] = {}
         """Outputs not yet read, per request someone here is waiting for."""
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process: with
+        ``tensor_parallel_size`` > 1, its worker processes (they also end when the LLM is
+        garbage-collected or this process exits). The LLM cannot generate afterwards."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_metrics(self) -> list[Metric]:
         """Engine metrics, as vLLM's ``LLM.get_metrics()``: a list of Counter, Gauge and

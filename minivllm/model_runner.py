@@ -32,6 +32,7 @@ from minivllm.attention import (
 )
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.executor import MultiprocExecutor, StepTiming, step_message
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.logprobs import PositionLogprobs, compute_logprobs
 from minivllm.request import Request
@@ -39,16 +40,19 @@ from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
 
-def kv_cache_shape(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a transformers decoder config."""
+def kv_cache_shape(config, tensor_parallel_size: int = 1) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers decoder config; with tensor
+    parallelism, the KV heads of one rank (each holds ``num_kv_heads / T``)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return config.num_hidden_layers, num_kv_heads, head_dim
+    return config.num_hidden_layers, num_kv_heads // tensor_parallel_size, head_dim
 
 
-def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype) -> int:
-    """K and V, every layer, every KV head: what one token costs in the cache."""
-    num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
+def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype,
+                             tensor_parallel_size: int = 1) -> int:
+    """K and V, every layer, every KV head: what one token costs in the cache (of one
+    rank, with tensor parallelism: the cache's memory is per rank, as vLLM's is per GPU)."""
+    num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config, tensor_parallel_size)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
@@ -93,6 +97,8 @@ class ModelRunnerOutput:
     that had drafts gets a list: its accepted drafts, then the target's token."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
+    parallel: StepTiming | None = None
+    """With tensor parallelism: the forward pass of every rank, compute vs communication."""
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """request_id -> one entry per token in ``sampled``, for requests with ``logprobs``."""
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
@@ -133,8 +139,12 @@ class ModelRunner:
         seed: int = 0,
         linear_plan: LinearPlan = STOCK_PLAN,
         sampler_cls: type = Sampler,
+        executor: MultiprocExecutor | None = None,
     ) -> None:
+        """``executor``: with tensor parallelism, the workers (``minivllm.distributed``);
+        ``model`` is then rank 0's shard, and the KV cache holds rank 0's KV heads."""
         self.model = model
+        self.executor = executor
         self.device = device
         self.block_size = kv_cache_manager.block_size
         self.kv_cache_manager = kv_cache_manager
@@ -142,7 +152,8 @@ class ModelRunner:
         # Swapped to the plan's libraries only for the engine's own forward passes (minivllm.linear).
         self.linear_plan = linear_plan
         self.linears = linear_plan.assign(model)
-        num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config)
+        num_layers, num_kv_heads, head_dim = kv_cache_shape(
+            model.config, executor.world_size if executor is not None else 1)
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
         # a cache that starts defined keeps any such bug visible as wrong numbers, not NaN.
@@ -235,19 +246,32 @@ class ModelRunner:
         prompt_rows = prompt_logprob_rows(scheduler_output)
         keep = logits_indices + [row[1] for row in prompt_rows]
         t0 = time.perf_counter()
-        with planned_linear(self.linears):
-            out = self.model(
-                **inputs,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
-            )
+        parallel = None
+        try:
+            if self.executor is not None:  # the workers start their shards' forward now
+                self.executor.start_step(step_message(inputs["attn_metadata"], inputs["input_ids"],
+                                                      inputs["position_ids"]))
+            with planned_linear(self.linears):
+                out = self.model(
+                    **inputs,
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
+                )
+            if self.executor is not None:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                parallel = self.executor.finish_step(time.perf_counter() - t0)
+        except BaseException:
+            if self.executor is not None:  # the ranks are out of step: the group is done
+                self.executor.shutdown(grace=0)
+            raise
         logits = out.logits[0]  # [len(keep), vocab]
         num_sample_rows = len(logits_indices)
         sampled = self.sample(logits[:num_sample_rows], requests)
         logprobs, prompt_logprobs = self.gather_logprobs(logits, requests, sampled, prompt_rows)
         model_time = time.perf_counter() - t0
         return ModelRunnerOutput(sampled=sampled, model_time=model_time, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+                                 prompt_logprobs=prompt_logprobs, parallel=parallel)
 
     def gather_logprobs(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]],
                         sampled: dict[str, int | list[int] | Exception],

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.metrics import RequestMetrics
+
+if TYPE_CHECKING:
+    from minivllm.distributed.executor import StepTiming
 
 
 @dataclass
@@ -50,6 +54,9 @@ class StepRecord:
     num_running: int = 0
     num_waiting: int = 0
     finished: list[str] = field(default_factory=list)
+    parallel: StepTiming | None = None
+    """With tensor parallelism: each rank's forward pass split into compute and
+    communication (``minivllm.distributed.executor.StepTiming``); None otherwise."""
 
     @property
     def num_tokens(self) -> int:

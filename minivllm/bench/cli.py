@@ -22,6 +22,7 @@ from minivllm.bench import (
     serve,
     simulate,
     speculative,
+    tensor_parallel,
     throughput,
 )
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
@@ -43,6 +44,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate": simulate.simulate_main,
     "simulate-cluster": cluster.main,
     "serve": serve.main,
+    "tensor-parallel": tensor_parallel.main,
 }
 
 
@@ -86,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-per-replica", type=float, default=2.0,
                         help="simulate-cluster: Poisson arrivals per second per replica (the rate "
                              "grows with the replica count, so each replica sees the same load)")
+    parser.add_argument("--tp-sizes", default="1,2,3",
+                        help="tensor-parallel: the tensor_parallel_size values compared (T=1 first)")
+    parser.add_argument("--tp-max-tokens", type=int, default=32,
+                        help="tensor-parallel: greedy output tokens per request")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 
