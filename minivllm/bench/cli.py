@@ -18,6 +18,7 @@ from minivllm.bench import (
     prefix_caching,
     priority,
     roofline,
+    router,
     serve,
     simulate,
     speculative,
@@ -40,6 +41,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "calibrate": simulate.calibrate_main,
     "simulate": simulate.simulate_main,
     "serve": serve.main,
+    "router": router.main,
 }
 
 
@@ -76,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-modes", default="thread,process",
                         help="serve: the servers to compare (thread: engine in the server process; "
                              "process: engine core in its own process)")
+    parser.add_argument("--num-documents", type=int, default=6, help="router: documents in the workload")
+    parser.add_argument("--questions-per-document", type=int, default=4,
+                        help="router: questions asked about each document")
+    parser.add_argument("--router-concurrency", type=int, default=4,
+                        help="router: clients sending requests through the router at once")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 
