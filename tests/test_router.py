@@ -340,3 +340,20 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, sto
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
+    from minivllm.bench.router import format_router_table, router_benchmark
+    from minivllm.workload import document_workload
+
+    workload = document_workload(None, num_documents=2, questions_per_document=3, document_len=96,
+                                 output_len=4, vocab_size=1000)
+    with deadline(120):
+        rows = router_benchmark(workload, tiny_dir, policies=("round_robin", "prefix_aware"),
+                                concurrency=2, serve_argv=["--max-model-len", "512"])
+    blind, aware = rows
+    assert aware["hit rate"] > blind["hit rate"]
+    assert all(r["same outputs"] for r in rows)
+    assert blind["per replica"] == "3/3"
+    assert "prefix_aware" in format_router_table(rows)
