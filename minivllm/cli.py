@@ -9,6 +9,7 @@ import sys
 from minivllm.config import EngineConfig, add_engine_arguments, engine_kwargs
 from minivllm.exceptions import ValidationError
 from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.routing import ROUTING_POLICIES
 
 GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "device",
                      "tensor_parallel_size", "speculative_config")
@@ -37,9 +38,30 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from minivllm.server import run_server
 
+    if args.data_parallel_size != 1:
+        from minivllm.router import engine_argv, run_data_parallel
+
+        serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
+                      "--max-request-bytes", str(args.max_request_bytes),
+                      "--engine-process" if args.engine_process else "--no-engine-process"]
+        if args.api_key is not None:
+            serve_argv += ["--api-key", args.api_key]
+        run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
+                          model=args.model, block_size=args.block_size, api_key=args.api_key,
+                          max_request_bytes=args.max_request_bytes)
+        return 0
+
     run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
                max_request_bytes=args.max_request_bytes, engine_process=args.engine_process,
                **engine_kwargs(args))
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    from minivllm.router import run_router
+
+    run_router(args.replica, args.routing_policy, args.host, args.port, model=args.model,
+               block_size=args.block_size, api_key=args.api_key, health_interval=args.health_interval)
     return 0
 
 
@@ -87,8 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="run the engine core in its own process (default); --no-engine-process: "
                           "on a thread of the server process")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="start this many replicas (each its own engine and caches) on free local "
+                          "ports, and a router in front of them on --port")
+    srv.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="least_outstanding",
+                     help="with --data-parallel-size > 1: how the router picks a replica")
     add_engine_arguments(srv, SERVE_SETTINGS)
     srv.set_defaults(func=_serve)
+
+    rt = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of running replicas")
+    rt.add_argument("--replica", action="append", required=True, metavar="URL",
+                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+    rt.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="least_outstanding")
+    rt.add_argument("--model", default=DEFAULT_MODEL,
+                    help="the replicas' model: prefix_aware loads its tokenizer (not the weights)")
+    rt.add_argument("--block-size", type=int, default=16, help="the replicas' KV-cache block size")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    rt.add_argument("--port", type=int, default=8000)
+    rt.add_argument("--api-key", default=None,
+                    help="require 'Authorization: Bearer KEY' on /v1 (the header is forwarded)")
+    rt.add_argument("--health-interval", type=float, default=2.0,
+                    help="seconds between probes of a replica out of rotation")
+    rt.set_defaults(func=_router)
 
     warm = sub.add_parser("warmup", help="convert and cache the model before a session; say how long it took")
     warm.add_argument("--model", default=DEFAULT_MODEL)

@@ -19,6 +19,7 @@ from minivllm.bench import (
     prefix_caching,
     priority,
     roofline,
+    router,
     serve,
     simulate,
     speculative,
@@ -45,6 +46,7 @@ MODES: dict[str, Callable[[argparse.Namespace], int]] = {
     "simulate-cluster": cluster.main,
     "serve": serve.main,
     "tensor-parallel": tensor_parallel.main,
+    "router": router.main,
 }
 
 
@@ -92,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel: the tensor_parallel_size values compared (T=1 first)")
     parser.add_argument("--tp-max-tokens", type=int, default=32,
                         help="tensor-parallel: greedy output tokens per request")
+    parser.add_argument("--num-documents", type=int, default=6, help="router: documents in the workload")
+    parser.add_argument("--questions-per-document", type=int, default=4,
+                        help="router: questions asked about each document")
+    parser.add_argument("--router-concurrency", type=int, default=4,
+                        help="router: clients sending requests through the router at once")
     parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
 
 

