@@ -30,6 +30,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from minivllm.routing import ROUTING_POLICIES
 from minivllm.workload import WorkloadRequest
@@ -103,7 +104,9 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
             before = [_prefix_counts(u) for u in local.urls]
             app = build_router_app(local.urls, policy, model=model, block_size=block_size)
             with ServerThread(app) as rt:
-                results, span = asyncio.run(_drive(rt.url, workload, concurrency))
+                # in a thread of its own: a Jupyter kernel already runs an event loop here
+                with ThreadPoolExecutor(1) as pool:
+                    results, span = pool.submit(asyncio.run, _drive(rt.url, workload, concurrency)).result()
             after = [_prefix_counts(u) for u in local.urls]
             served = app.state.router.stats.requests
         hits = sum(a[0] - b[0] for a, b in zip(after, before))
