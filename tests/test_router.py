@@ -357,3 +357,39 @@ def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
     assert all(r["same outputs"] for r in rows)
     assert blind["per replica"] == "3/3"
     assert "prefix_aware" in format_router_table(rows)
+
+
+# -- options ---------------------------------------------------------------------------------
+def test_router_options_are_checked_and_urls_normalised():
+    from minivllm.exceptions import ValidationError
+    from minivllm.router import engine_argv, normalize_url
+
+    assert normalize_url("10.0.0.2:8000/v1/") == "http://10.0.0.2:8000"
+    assert normalize_url("https://host/") == "https://host"
+    with pytest.raises(ValidationError, match="at least one"):
+        build_router_app([], "round_robin")
+    with pytest.raises(ValidationError, match="twice"):
+        build_router_app(["http://a:1", "a:1/v1"], "round_robin")
+    with pytest.raises(ValidationError, match="unknown routing policy"):
+        build_router_app(["http://a:1"], "random")
+    with pytest.raises(ValidationError, match="tokenizer"):
+        build_router_app(["http://a:1"], "prefix_aware")
+    with pytest.raises(ValidationError, match="data_parallel_size"):
+        LocalReplicas(0, [])
+    assert engine_argv({"block_size": 16, "enable_prefix_caching": False, "kv_cache_memory": None,
+                        "speculative_config": {"method": "ngram"}}) == [
+        "--block-size", "16", "--no-enable-prefix-caching", "--speculative-config", '{"method": "ngram"}']
+
+
+def test_router_api_key(replicas, tiny_dir):
+    with deadline(30):
+        rt = router(replicas.urls, "round_robin", tiny_dir, api_key="router-key")
+        try:
+            body = {"prompt": "hi", "max_tokens": 2}
+            r = httpx.post(rt.url + "/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.post(rt.url + "/v1/completions", json=body, timeout=TIMEOUT,
+                           headers={"Authorization": "Bearer router-key"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        finally:
+            rt.stop()
