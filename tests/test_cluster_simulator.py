@@ -14,7 +14,7 @@ from minivllm.cluster_simulator import simulate_cluster, sweep
 from minivllm.replay import replay_workload
 from minivllm.routing import ROUTING_POLICIES, PrefixAware
 from minivllm.simulator import CostModel, make_simulated_engine
-from minivllm.workload import WorkloadRequest, document_workload
+from minivllm.workload import WorkloadRequest, document_workload, iter_workload
 
 COST = CostModel.load()  # the shipped model: the same numbers on every machine
 
@@ -122,6 +122,14 @@ def test_invariants_and_causality(policy):
         assert list(seen) == want, (rid, t)
         routed.append(rid)
     assert any(sum(seen) > 1 for _, _, seen in res.routing_log)  # the check saw queues
+
+
+def test_a_streamed_workload_is_served_without_being_held():
+    # A generator (as bench simulate uses for 10,000 requests): consumed as arrivals come.
+    stream = iter_workload(None, 300, seed=1, prompt_len=(20, 200), output_len=(4, 24), rate=20.0)
+    res = simulate_cluster(stream, 4, "least_outstanding", cost_model=COST)
+    assert res.num_finished == res.num_requests == 300 and res.no_block_leaked
+    assert next(stream, None) is None
 
 
 def test_seeded_runs_are_reproducible():
