@@ -43,7 +43,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
                       "--max-request-bytes", str(args.max_request_bytes),
-                      "--engine-process" if args.engine_process else "--no-engine-process"]
+                      "--engine-process" if args.engine_process else "--no-engine-process",
+                      "--uvicorn-log-level", args.uvicorn_log_level]
         if args.api_key is not None:
             serve_argv += ["--api-key", args.api_key]
         run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
@@ -53,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
                max_request_bytes=args.max_request_bytes, engine_process=args.engine_process,
-               **engine_kwargs(args))
+               uvicorn_log_level=args.uvicorn_log_level, **engine_kwargs(args))
     return 0
 
 
@@ -76,6 +77,9 @@ def _check(args: argparse.Namespace) -> int:
     from minivllm.check import main
 
     return main(args.piece, args.spec, args.select)
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="run the engine core in its own process (default); --no-engine-process: "
                           "on a thread of the server process")
+    srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                     help="uvicorn's log level (info: one access line per request)")
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="start this many replicas (each its own engine and caches) on free local "
                           "ports, and a router in front of them on --port")

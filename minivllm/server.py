@@ -279,10 +279,10 @@ class ServerThread:
 def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
                max_waiting: int | None = DEFAULT_MAX_WAITING,
                max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, engine_process: bool = True,
-               **llm_kwargs: Any) -> None:
+               uvicorn_log_level: str = "info", **llm_kwargs: Any) -> None:
     """Load the model and serve it until interrupted (what ``minivllm serve`` runs); the
     engine core runs in a process of its own unless ``engine_process`` is False."""
     app = build_app(api_key=api_key, max_waiting=max_waiting, max_request_bytes=max_request_bytes,
                     engine_process=engine_process, **llm_kwargs)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level)).run()

@@ -96,7 +96,7 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
 
     rows, first = [], None
     argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
-            str(block_size), *serve_argv]
+            str(block_size), "--uvicorn-log-level", "warning", *serve_argv]
     for policy in policies:
         with LocalReplicas(num_replicas, argv) as local:
             for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
