@@ -465,12 +465,16 @@ class LocalReplicas:
     """
 
     def __init__(self, n: int, serve_argv: Sequence[str], host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, log_dir: str | os.PathLike | None = None) -> None:
+        """``log_dir``: write replica i's output to ``log_dir/replica-i.log`` instead of this
+        process's terminal (a notebook or benchmark that wants only its own output)."""
         if n < 1:
             raise ValidationError("data_parallel_size", f"data_parallel_size must be >= 1, got {n}", n)
         self.n, self.serve_argv, self.host, self.startup_timeout = n, list(serve_argv), host, startup_timeout
+        self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
+        self.logs: list[Any] = []
 
     def start(self) -> LocalReplicas:
         try:
@@ -478,7 +482,12 @@ class LocalReplicas:
                 port = free_port(self.host)
                 cmd = [sys.executable, "-c", "import sys; from minivllm.cli import main; sys.exit(main())", "serve", "--host", self.host, "--port", str(port),
                        *self.serve_argv]
-                self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+                out = None
+                if self.log_dir is not None:
+                    out = open(os.path.join(self.log_dir, f"replica-{len(self.procs)}.log"), "wb")
+                    self.logs.append(out)
+                self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out,
+                                                   stderr=subprocess.STDOUT if out else None))
                 self.urls.append(f"http://{self.host}:{port}")
             self.wait_ready()
         except BaseException:
@@ -492,8 +501,12 @@ class LocalReplicas:
         while pending:
             for i in sorted(pending):
                 if self.procs[i].poll() is not None:
+                    where = "its log above"
+                    if self.logs:
+                        with open(self.logs[i].name, errors="replace") as f:
+                            where = f"the end of {self.logs[i].name}:\n" + "".join(f.readlines()[-20:])
                     raise RuntimeError(f"replica {i} ({self.urls[i]}) exited with status "
-                                       f"{self.procs[i].returncode} while starting; see its log above")
+                                       f"{self.procs[i].returncode} while starting; see {where}")
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
                         pending.discard(i)
@@ -512,6 +525,8 @@ class LocalReplicas:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for f in self.logs:
+            f.close()
 
     def __enter__(self) -> LocalReplicas:
         return self.start()

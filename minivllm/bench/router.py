@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,7 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
     argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
             str(block_size), "--uvicorn-log-level", "warning", *serve_argv]
     for policy in policies:
-        with LocalReplicas(num_replicas, argv) as local:
+        with tempfile.TemporaryDirectory() as logs, LocalReplicas(num_replicas, argv, log_dir=logs) as local:
             for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
                 httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
             before = [_prefix_counts(u) for u in local.urls]
