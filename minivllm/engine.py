@@ -119,17 +119,18 @@ class LLMEngine:
             self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         except ValueError as e:
             raise ValidationError("linear_backend", str(e), config.linear_backend) from None
-        if model is None:
+        loaded_here = model is None
+        if loaded_here:
             model, tokenizer = load_model(config.model, self.dtype, self.device)
-        else:
-            if config.tensor_parallel_size > 1:  # sharding changes it in place: not the caller's
-                model = copy.deepcopy(model)
-            model = model.to(device=self.device, dtype=self.dtype).eval()
         if config.tensor_parallel_size > 1:
             try:
                 check_tensor_parallel_size(model.config, config.tensor_parallel_size)
             except ValueError as e:
                 raise ValidationError("tensor_parallel_size", str(e), config.tensor_parallel_size) from None
+        if not loaded_here:
+            if config.tensor_parallel_size > 1:  # sharding changes it in place: not the caller's
+                model = copy.deepcopy(model)
+            model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model = model
         self.tokenizer = tokenizer
         # "auto" becomes a plan measured on this machine (or read from its cache).

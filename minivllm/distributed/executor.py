@@ -4,7 +4,7 @@ With ``tensor_parallel_size=T`` the engine's own process is rank 0: it keeps the
 scheduler, the KV cache manager and the sampler, and its model runner runs a forward
 pass on rank 0's shard. Ranks 1..T-1 are worker processes that own nothing but their
 shard of the weights and their shard of the KV cache (``num_kv_heads / T`` heads, the
-same block ids as rank 0: the block tables rank 0 sends are valid everywhere). A step:
+same block ids as rank 0: the block tables rank 0 sends are valid everywhere). A step::
 
     rank 0: schedule -> prepare inputs -> send them to every worker --+
                                                                       |  (a pipe each)
@@ -34,7 +34,7 @@ stay on them), and a plan chooses by the number of rows, which sharding does not
 
 **Workers never outlive the engine.** Each worker waits for its next message with a
 timeout and exits when its parent process has gone (or its pipe closed); it ignores
-Ctrl-C (the parent, which gets it too, shuts the workers down). :meth:`shutdown` (from
+Ctrl-C (the parent, which gets it too, shuts the workers down). :meth:`MultiprocExecutor.shutdown` (from
 ``LLM.close()``, the engine's garbage collection through ``weakref.finalize``, or the
 interpreter's exit) asks each worker to stop, then terminates and kills what is left.
 A failed step shuts the workers down too: after an error mid-forward the ranks no

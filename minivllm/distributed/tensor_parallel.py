@@ -1,7 +1,7 @@
 """Which weights each rank keeps: column- and row-parallel linear layers (Megatron-LM's split).
 
 A decoder layer has two blocks, and each is split the same way, so that only one
-all-reduce per block is needed:
+all-reduce per block is needed::
 
     attention:  x --[q_proj k_proj v_proj]--> heads --attention--> [o_proj] --all-reduce--> y
                        column-parallel          (each rank its        row-parallel
