@@ -1,6 +1,6 @@
 """Tensor-parallel mode: step time split into compute and communication, T = 1, 2, 3.
 
-``minivllm bench tensor-parallel`` (notebook 11). The same greedy requests run with
+``minivllm bench tensor-parallel`` (notebook 14). The same greedy requests run with
 ``tensor_parallel_size`` T for each T asked (``--tp-sizes``), on the default model
 (SmolLM2-135M: 9 query heads and 3 KV heads, so T=2 is refused and reported as such)
 and on a tiny random model whose 6 heads divide 1, 2 and 3. For each T it reports the

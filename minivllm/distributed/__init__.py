@@ -1,4 +1,4 @@
-"""Tensor parallelism: one model split across several processes (notebook 11).
+"""Tensor parallelism: one model split across several processes (notebook 14).
 
 Three modules, named as in vLLM (``vllm/distributed/`` and ``vllm/v1/executor/``):
 
