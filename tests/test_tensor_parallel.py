@@ -133,6 +133,9 @@ if __name__ == "__main__":
     if "{how}" == "kill":
         os.kill(os.getpid(), signal.SIGKILL)  # no close, no atexit: as if it crashed
     # Ctrl-C in the middle of a long generate(): KeyboardInterrupt in the main thread.
+    # Python installs that handler only if SIGINT was not ignored when it started, and a
+    # background job of a non-interactive shell (a CI runner) starts with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGALRM, lambda *a: os.kill(os.getpid(), signal.SIGINT))
     signal.setitimer(signal.ITIMER_REAL, 1.0)
     llm.generate([{{"prompt_token_ids": [1, 2, 3]}}] * 8,
