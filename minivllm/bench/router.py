@@ -26,36 +26,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from minivllm.bench.priority import format_priority_table
+from minivllm.bench.serve import stream_completion
 from minivllm.routing import ROUTING_POLICIES
 from minivllm.workload import WorkloadRequest
 
 
 async def _one(http, req: WorkloadRequest) -> tuple[float, str, int]:
     """Stream one completion through the router: its TTFT, text and output token count."""
-    body = {"prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    sent, first, text, tokens = time.perf_counter(), None, [], 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif chunk["choices"][0]["text"]:
-                first = first or time.perf_counter()
-                text.append(chunk["choices"][0]["text"])
-    return (first or time.perf_counter()) - sent, "".join(text), tokens
+    sent, times, texts, tokens = await stream_completion(http, req.prompt_token_ids, req.max_tokens)
+    return (times[0] if times else time.perf_counter()) - sent, "".join(texts), tokens
 
 
 async def _drive(url: str, workload: Sequence[WorkloadRequest], concurrency: int) -> tuple[dict, float]:
@@ -123,11 +109,7 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
 
 
 def format_router_table(rows: Sequence[dict]) -> str:
-    keys = list(rows[0])
-    lines = [" | ".join(keys), " | ".join("---" for _ in keys)]
-    for row in rows:
-        lines.append(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()))
-    return "\n".join(lines)
+    return format_priority_table(rows)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -89,12 +89,14 @@ def run_offline(prompts: list[list[int]], max_tokens: int, concurrency: int, set
 
 
 # -- against a server -------------------------------------------------------------------------
-async def one_request(http, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-    """Stream one completion; return its TTFT, inter-chunk gaps and output token count."""
+async def stream_completion(http, prompt: list[int], max_tokens: int
+                            ) -> tuple[float, list[float], list[str], int]:
+    """Stream one greedy completion (``ignore_eos``): when it was sent, when each text
+    chunk arrived, the chunks, and the output token count the server reported."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    times, tokens = [], 0
+    times, texts, tokens = [], [], 0
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -107,6 +109,13 @@ async def one_request(http, prompt: list[int], max_tokens: int) -> tuple[float, 
                 tokens = chunk["usage"]["completion_tokens"]
             elif chunk["choices"][0]["text"]:
                 times.append(time.perf_counter())
+                texts.append(chunk["choices"][0]["text"])
+    return sent, times, texts, tokens
+
+
+async def one_request(http, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    """Stream one completion; return its TTFT, inter-chunk gaps and output token count."""
+    sent, times, _, tokens = await stream_completion(http, prompt, max_tokens)
     return times[0] - sent, list(np.diff(times)), tokens
 
 
