@@ -50,6 +50,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -130,6 +131,10 @@ class Router:
             raise ValidationError("replica", "the router needs at least one --replica URL", None)
         if len(set(urls)) != len(urls):
             raise ValidationError("replica", f"a replica is listed twice: {urls}", urls)
+        for name, value in (("health_interval", health_interval), ("connect_timeout", connect_timeout),
+                            ("read_timeout", read_timeout)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValidationError(name, f"{name} must be a number of seconds > 0, got {value!r}", value)
         if isinstance(policy, PrefixAware) and tokenizer is None:
             raise ValidationError("routing_policy", "prefix_aware routing needs the model's "
                                   "tokenizer (--model) to hash the prompt's blocks", None)

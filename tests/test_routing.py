@@ -95,3 +95,12 @@ def test_prefix_aware_memory_is_bounded():
     rs = replicas(0)
     policy.choose(list(range(20)), rs)
     assert len(policy.seen["r0"]) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "2"])
+def test_the_router_refuses_a_health_interval_that_is_not_a_positive_number(bad):
+    from minivllm.exceptions import ValidationError
+    from minivllm.router import Router
+
+    with pytest.raises(ValidationError, match="health_interval must be a number of seconds > 0"):
+        Router(["http://127.0.0.1:1"], make_policy("round_robin"), health_interval=bad)
