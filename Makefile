@@ -30,8 +30,11 @@ PYTEST_ARGS ?=
 PROMPT      ?= What is the capital of France?
 DOCS_OUT    ?= build/docs/html
 # Learner copies of the notebooks: solutions removed, outputs cleared (`make learner`).
-# Inside notebooks/ so that they run with notebooks/conftest.py under `make test`.
 LEARNER_DIR ?= notebooks/learner
+# What `make test` runs under nbval: each instructor notebook with the learner copy's
+# exercise cells appended (minivllm.exercises.check_copy). Inside notebooks/ so that
+# notebooks/conftest.py applies.
+CHECK_DIR   ?= notebooks/checks
 # Jupyter refuses to run as root (common in containers) unless told it may.
 LAB_ARGS    ?= $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
@@ -88,10 +91,13 @@ warmup: setup
 lab: setup
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
-# The instructor notebooks and the learner copies both run under nbval.
-test: setup learner
+# Every notebook runs once under nbval, its stored outputs compared, and then its
+# exercises once more as the learner copy has them (answers blank, solutions removed).
+test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest tests notebooks $(NBVAL) $(PYTEST_ARGS)
+	rm -rf $(CHECK_DIR)
+	$(BIN)/python -m minivllm.exercises --check notebooks $(CHECK_DIR)
+	$(BIN)/pytest tests $(CHECK_DIR) $(NBVAL) $(PYTEST_ARGS)
 
 learner: setup
 	$(BIN)/python -m minivllm.exercises notebooks $(LEARNER_DIR)
@@ -123,6 +129,6 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis $(CHECK_DIR)
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 	find . -name .ipynb_checkpoints -type d -prune -not -path './.git/*' -exec rm -rf {} +

@@ -30,7 +30,7 @@ include_patterns = ["docs/**", "notebooks/[0-9][0-9]_*.ipynb"]
 # Sphinx walks the whole source folder before it filters; excluded folders are not
 # entered at all, which keeps it out of .venv and .git (tens of thousands of files).
 exclude_patterns = [".*", "**/.*", "build", "dist", "*.egg-info", "minivllm", "kernels",
-                    "tests", "figures", "notebooks/learner", "docs/_ext", "docs/_templates"]
+                    "tests", "figures", "notebooks/learner", "notebooks/checks", "docs/_ext", "docs/_templates"]
 templates_path = ["_templates"]
 
 extensions = [

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from minivllm.exercises import check, make_learner_copies
+from minivllm.exercises import (
+    check,
+    check_copy,
+    learner_copy,
+    make_check_copies,
+    make_learner_copies,
+)
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -86,6 +92,73 @@ def test_learner_copies_keep_questions_and_checks_but_not_solutions(tmp_path):
         assert not any(c.get("outputs") for c in learner["cells"] if c["cell_type"] == "code")
         assert not any("nbval-check-output" in tags(c) for c in learner["cells"]
                        if "self-check" in tags(c)), "a learner's check is not compared"
+
+
+def test_check_copies_run_the_instructor_notebook_then_the_learners_exercises(tmp_path):
+    """What `make test` runs: the instructor notebook unchanged (outputs compared), then the
+    learner copy's cells from the first exercise on. Before that point the learner copy is
+    the instructor copy cell for cell, so this covers both copies."""
+    written = make_check_copies(ROOT / "notebooks", tmp_path)
+    assert [p.name for p in written] == [p.name for p in NOTEBOOKS]
+    for src, dst, learner_path in zip(NOTEBOOKS, written,
+                                      make_learner_copies(ROOT / "notebooks", tmp_path / "learner")):
+        instructor, merged = json.loads(src.read_text()), json.loads(dst.read_text())
+        learner = json.loads(learner_path.read_text())
+        n = len(instructor["cells"])
+        assert merged["cells"][:n] == instructor["cells"], src.name
+        tail = merged["cells"][n:]
+        start = len(learner["cells"]) - len(tail)
+        assert [text(c) for c in learner["cells"][:start]] == [
+            text(c) for c in instructor["cells"][:start]], f"{src.name}: copies differ before the exercises"
+        assert [text(c) for c in tail] == [text(c) for c in learner["cells"][start:]]
+        assert "exercise" in tags(tail[0]) or "answer" in tags(tail[0]), src.name
+        assert sum("self-check" in tags(c) for c in tail) == sum(
+            "self-check" in tags(c) for c in instructor["cells"]), src.name
+        assert not any("solution" in tags(c) or "nbval-check-output" in tags(c) for c in tail)
+
+
+def _notebook(*cells: tuple[str, str, list[str]]):
+    import nbformat
+    nb = nbformat.v4.new_notebook()
+    for kind, source, cell_tags in cells:
+        make = nbformat.v4.new_code_cell if kind == "code" else nbformat.v4.new_markdown_cell
+        nb.cells.append(make(source, metadata={"tags": cell_tags}))
+    return nb
+
+
+def test_a_learner_copy_whose_cell_reads_a_solutions_name_is_refused():
+    """The one failure the check copies cannot see by running (the instructor's solutions
+    ran before the learner's cells), found by reading the code instead."""
+    ok = _notebook(("code", "import math\nn = 3", []),
+                   ("markdown", "### Exercise 1: blocks", ["exercise"]),
+                   ("code", "blocks = ...", ["answer"]),
+                   ("code", "blocks = math.ceil(n / 2)\nhelper = [b for b in range(blocks)]", ["solution"]),
+                   ("code", "%time x = 1\ncheck('1', blocks, 2, hint='h')", ["self-check"]))
+    assert len(learner_copy(ok).cells) == 4
+    bad = _notebook(*[(c.cell_type, c.source, c.metadata["tags"]) for c in ok.cells],
+                    ("code", "def f():\n    return len(helper)\nf()", ["self-check"]))
+    with pytest.raises(ValueError, match=r"cell 5 reads helper, which only a solution cell defines"):
+        learner_copy(bad)
+    rebound = _notebook(*[(c.cell_type, c.source, c.metadata["tags"]) for c in ok.cells],
+                        ("code", "helper = []\nprint(len(helper))", []))
+    learner_copy(rebound)  # bound by the learner's own cell: fine
+
+
+def test_a_code_cell_after_the_exercises_is_refused():
+    """The learner's exercises run after the instructor's whole notebook, so a clean-up
+    cell after them (a server stopped) would have run before them."""
+    nb = _notebook(("code", "x = 1", []),
+                   ("markdown", "## Exercises", []),
+                   ("markdown", "### Exercise 1: x", ["exercise"]),
+                   ("code", "y = ...", ["answer"]),
+                   ("code", "y = x", ["solution"]),
+                   ("code", "check('1', y, x, hint='h')", ["self-check"]),
+                   ("code", "print('an experiment inside the exercise')", []),
+                   ("markdown", "## Recap", []))
+    assert len(check_copy(nb).cells) == len(nb.cells) + 5  # the exercise, less its solution
+    nb.cells.append(_notebook(("code", "server.stop()", [])).cells[0])
+    with pytest.raises(ValueError, match="code cell 8 comes after the exercises"):
+        check_copy(nb)
 
 
 def test_check_says_correct_gives_a_hint_and_never_the_answer(capsys):

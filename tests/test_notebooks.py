@@ -1,6 +1,7 @@
 """Every notebook keeps the shape a learner relies on, and is stored executed.
 
-(Running them is nbval's job: `make test` passes `notebooks/` to pytest with --nbval-lax.
+(Running them is nbval's job: `make test` passes their check copies, `notebooks/checks/`
+(minivllm.exercises.check_copy), to pytest with --nbval-lax.
 Here: the structure of each lesson, that what the stored notebook shows is what a reader
 without a kernel can see, that the figures in figures/ are the ones the notebooks show,
 and that notebook 05 runs where Triton cannot be installed.)
