@@ -49,7 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
             serve_argv += ["--api-key", args.api_key]
         run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
                           model=args.model, block_size=args.block_size, api_key=args.api_key,
-                          max_request_bytes=args.max_request_bytes)
+                          max_request_bytes=args.max_request_bytes,
+                          uvicorn_log_level=args.uvicorn_log_level)
         return 0
 
     run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
@@ -62,7 +63,8 @@ def _router(args: argparse.Namespace) -> int:
     from minivllm.router import run_router
 
     run_router(args.replica, args.routing_policy, args.host, args.port, model=args.model,
-               block_size=args.block_size, api_key=args.api_key, health_interval=args.health_interval)
+               block_size=args.block_size, api_key=args.api_key, health_interval=args.health_interval,
+               uvicorn_log_level=args.uvicorn_log_level)
     return 0
 
 
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run the engine core in its own process (default); --no-engine-process: "
                           "on a thread of the server process")
     srv.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
-                     help="uvicorn's log level (info: one access line per request)")
+                     help="uvicorn's log level (info: one access line per request); with "
+                          "--data-parallel-size, the router's and every replica's")
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="start this many replicas (each its own engine and caches) on free local "
                           "ports, and a router in front of them on --port")
@@ -136,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require 'Authorization: Bearer KEY' on /v1 (the header is forwarded)")
     rt.add_argument("--health-interval", type=float, default=2.0,
                     help="seconds between probes of a replica out of rotation")
+    rt.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
+                    help="uvicorn's log level (info: one access line per request)")
     rt.set_defaults(func=_router)
 
     warm = sub.add_parser("warmup", help="convert and cache the model before a session; say how long it took")

@@ -541,18 +541,18 @@ class LocalReplicas:
 
 
 def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.0.1", port: int = 8000,
-               **app_kwargs: Any) -> None:
+               uvicorn_log_level: str = "info", **app_kwargs: Any) -> None:
     """Serve the router until interrupted (``minivllm router``)."""
     import uvicorn
 
     app = build_router_app(replicas, routing_policy, **app_kwargs)
     logger.info("routing (%s) to %s on http://%s:%d", routing_policy, ", ".join(replicas), host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
 
 
 def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str, host: str, port: int,
-                      **app_kwargs: Any) -> None:
+                      **router_kwargs: Any) -> None:
     """``minivllm serve --data-parallel-size N``: N local replicas and the router in front."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
     with LocalReplicas(size, serve_argv) as local:
-        run_router(local.urls, routing_policy, host, port, **app_kwargs)
+        run_router(local.urls, routing_policy, host, port, **router_kwargs)

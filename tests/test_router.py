@@ -10,6 +10,7 @@ reference answer is the replica's own, asked directly.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -306,14 +307,17 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
-def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, stop):
+@pytest.mark.parametrize(("stop", "log_level"), [(signal.SIGINT, "warning"), (signal.SIGKILL, "info")],
+                         ids=["ctrl-c", "killed"])
+def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp_path, stop, log_level):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-c", "import sys; from minivllm.cli import main; sys.exit(main())", "serve",
            "--data-parallel-size", "2", "--routing-policy", "prefix_aware", "--model", tiny_dir,
-           "--port", str(port), *SERVE_ARGS]
-    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "--port", str(port), "--uvicorn-log-level", log_level, *SERVE_ARGS]
+    log = tmp_path / "serve.log"
+    parent = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})  # SIGKILL loses no line
     try:
         with deadline(120):
             while True:
@@ -336,6 +340,10 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, sto
             while not all(_gone(c) for c in children):
                 assert time.monotonic() - t < 20, "a replica outlived serve --data-parallel-size"
                 time.sleep(0.1)
+        # uvicorn's access lines, one from the router and one from the replica that answered,
+        # only at "info": --uvicorn-log-level reaches the router and every replica.
+        access = log.read_text(errors="replace").count('"POST /v1/chat/completions HTTP/1.1" 200')
+        assert access == (2 if log_level == "info" else 0), log.read_text(errors="replace")[-2000:]
     finally:
         if parent.poll() is None:
             parent.kill()
