@@ -458,3 +458,27 @@ def test_priority_timeline_bars_come_from_the_metrics(tiny_model):
     assert viz.plot_priority_timeline(trace, groups, ax=ax) is fig
     with pytest.raises(ValueError, match="groups"):
         viz.plot_priority_timeline(trace, {"nobody": "batch"})
+
+
+def test_priority_timelines_side_by_side_share_time_and_one_key(tiny_model):
+    traces = {}
+    for policy in ("fcfs", "priority"):
+        llm = LLM(tiny_model, log_stats_interval=None, block_size=4, num_kv_blocks=8, max_num_seqs=1,
+                  scheduling_policy=policy)
+        prompts = [{"prompt_token_ids": [100 + 10 * i + j for j in range(6)]} for i in range(3)]
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False,
+                     **({"priority": [1, 1, 0]} if policy == "priority" else {}))
+        traces[policy] = llm.trace
+    groups = {"0": "batch", "1": "batch", "2": "interactive"}
+    fig = viz.plot_priority_timelines(traces, groups)
+    assert [ax.get_title() for ax in fig.axes] == ["fcfs", "priority"]
+    assert fig.axes[0].get_shared_x_axes().joined(fig.axes[0], fig.axes[1])
+    assert len(fig.legends) == 1 and all(ax.get_legend() is None for ax in fig.axes)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+        "batch: waiting for first token", "interactive: waiting for first token",
+        "batch: generating", "interactive: generating", "preempted"]
+    # One seat: under priority the interactive request, added last, is served first.
+    first = {p: min(t.requests, key=lambda r: t.requests[r].first_token_time) for p, t in traces.items()}
+    assert first == {"fcfs": "0", "priority": "2"}
+    with pytest.raises(ValueError, match="no trace"):
+        viz.plot_priority_timelines({}, groups)

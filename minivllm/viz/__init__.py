@@ -57,7 +57,12 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     request_color,
 )
-from minivllm.viz.timeline import plot_priority_timeline, plot_request_timeline, request_spans
+from minivllm.viz.timeline import (
+    plot_priority_timeline,
+    plot_priority_timelines,
+    plot_request_timeline,
+    request_spans,
+)
 
 __all__ = [
     "ARCHITECTURE_SIZE",
@@ -96,6 +101,7 @@ __all__ = [
     "plot_process_split",
     "plot_memory_waste",
     "plot_priority_timeline",
+    "plot_priority_timelines",
     "plot_request_timeline",
     "plot_spec_decode",
     "plot_steps",

@@ -130,7 +130,7 @@ GROUP_COLORS = ("tab:green", "tab:purple", "tab:brown", "tab:olive")
 
 
 def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | None = None,
-                           title: str | None = None) -> Figure:
+                           title: str | None = None, legend: bool = True) -> Figure:
     """One row per request, coloured by its group (e.g. "interactive" and "batch"):
     a pale bar from arrival to first token (its TTFT: queueing and prefill), a solid bar
     from first token to finish, red hatching where it was preempted.
@@ -139,7 +139,8 @@ def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | N
     priority), it shows where the interactive requests' waiting went: under fcfs their
     pale bars stretch until the batch requests ahead of them are admitted; under priority
     they are admitted at the next free seat. ``groups`` maps request id to group name;
-    requests it does not name are left out.
+    requests it does not name are left out. :func:`plot_priority_timelines` draws several
+    runs side by side with one key.
     """
     rids = [rid for rid in trace.requests if rid in groups]
     if not rids:
@@ -147,8 +148,7 @@ def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | N
                          "check the request ids")
     fig, ax = _new_axes(ax, TIMELINE_SIZE)
     order = sorted(rids, key=lambda r: trace.requests[r].arrival_time)  # stable: ties in add order
-    names = list(dict.fromkeys(groups[r] for r in order))
-    color = {g: GROUP_COLORS[i % len(GROUP_COLORS)] for i, g in enumerate(names)}
+    color = _group_colors(trace, groups)
     t0 = min(trace.requests[r].arrival_time for r in order)
     preempted = request_spans(trace)
     for row, rid in enumerate(order):
@@ -164,16 +164,52 @@ def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | N
         if lost:
             ax.broken_barh(lost, (row - 0.35, 0.7), facecolors="none", edgecolors=PREEMPTED_COLOR,
                            hatch="xx", gid=f"preempted:{rid}")
-    ax.set_ylim(len(order) - 0.5, -0.5)
+    # Room under the last row for the note naming where simulated times came from, which
+    # would otherwise sit on the last arrivals' bars.
+    ax.set_ylim(len(order) - 0.5 + (0.08 * len(order) if trace.time_source else 0), -0.5)
     ax.set_yticks([])
     ax.set_xlabel("seconds since the first arrival")
     ax.set_ylabel("requests, by arrival")
-    handles = [Patch(facecolor=color[g], alpha=0.3, label=f"{g}: waiting for first token")
-               for g in names]
-    handles += [Patch(facecolor=color[g], label=f"{g}: generating") for g in names]
-    handles.append(Patch(facecolor="none", edgecolor=PREEMPTED_COLOR, hatch="xx", label="preempted"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if legend:
+        ax.legend(handles=_group_handles(color), loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  fontsize=8)
     ax.set_title(title or "Requests by group: time to first token (pale) and generation (solid)",
                  fontsize=10)
     _note_time_source(ax, trace.time_source)
+    return fig
+
+
+def _group_colors(trace: Trace, groups: Mapping[str, str]) -> dict[str, str]:
+    """Group name -> colour, in the order the groups first arrive."""
+    order = sorted((r for r in trace.requests if r in groups), key=lambda r: trace.requests[r].arrival_time)
+    names = dict.fromkeys(groups[r] for r in order)
+    return {g: GROUP_COLORS[i % len(GROUP_COLORS)] for i, g in enumerate(names)}
+
+
+def _group_handles(color: Mapping[str, str]) -> list[Patch]:
+    handles = [Patch(facecolor=c, alpha=0.3, label=f"{g}: waiting for first token")
+               for g, c in color.items()]
+    handles += [Patch(facecolor=c, label=f"{g}: generating") for g, c in color.items()]
+    handles.append(Patch(facecolor="none", edgecolor=PREEMPTED_COLOR, hatch="xx", label="preempted"))
+    return handles
+
+
+def plot_priority_timelines(traces: Mapping[str, Trace], groups: Mapping[str, str],
+                            height: float = 5.0) -> Figure:
+    """:func:`plot_priority_timeline` for several runs of the same workload side by side,
+    titled by the keys of ``traces`` (e.g. the scheduling policy), on one time axis and
+    with one key under them, so the panels are the same size and a bar's length can be
+    compared across them."""
+    if not traces:
+        raise ValueError("no trace to draw")
+    fig = Figure(figsize=(5.5 * len(traces), height), layout="constrained")
+    axes = fig.subplots(1, len(traces), sharex=True, squeeze=False)[0]
+    for ax, (title, trace) in zip(axes, traces.items()):
+        plot_priority_timeline(trace, groups, ax=ax, title=title, legend=False)
+    colors = [_group_colors(trace, groups) for trace in traces.values()]
+    if any(c != colors[0] for c in colors):
+        raise ValueError("the runs' groups arrive in different orders, so their colours would "
+                         "differ: draw runs of the same workload")
+    fig.legend(handles=_group_handles(colors[0]), loc="outside lower center",
+               ncol=3 if len(colors[0]) > 2 else len(colors[0]) * 2 + 1, fontsize=8)
     return fig
