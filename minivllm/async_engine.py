@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -124,6 +125,10 @@ class AsyncLLMEngine:
         self._engine_busy = False
         self._adding: set[str] = set()
         """Ids being tokenized or added, not yet in the scheduler's waiting queue."""
+        self._counts_lock = threading.Lock()
+        """Held while the stepping thread moves an id from ``_adding`` into ``num_waiting``
+        (or refreshes the counts) and while ``num_queued`` reads them, so that no
+        admission check sees a request counted twice (a spurious 503) or not at all."""
         self.num_waiting = 0
         """Requests the scheduler has not admitted yet, as of the last engine call."""
         self.num_running = 0
@@ -194,29 +199,32 @@ class AsyncLLMEngine:
     def num_queued(self) -> int:
         """Requests that actually wait: those queued in the scheduler or on their way to
         it, less the seats (``max_num_seqs``) free for them at the next step."""
-        free_seats = max(0, self.max_num_seqs - self.num_running)
-        return max(0, self.num_waiting + len(self._adding) - free_seats)
+        with self._counts_lock:
+            free_seats = max(0, self.max_num_seqs - self.num_running)
+            return max(0, self.num_waiting + len(self._adding) - free_seats)
 
     # -- calls into the engine, always on the stepping thread -------------------------
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the stepping thread, between two steps."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _snapshot(self) -> None:
+    def _snapshot(self, added: str | None = None) -> None:
         scheduler = self.engine.scheduler
-        self.num_waiting = len(scheduler.waiting)
-        self.num_running = len(scheduler.running)
+        with self._counts_lock:
+            self.num_waiting = len(scheduler.waiting)
+            self.num_running = len(scheduler.running)
+            if added is not None:
+                self._adding.discard(added)  # now counted in num_waiting instead
         self.kv_cache_usage = self.engine.kv_cache_manager.usage
 
     def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
              priority: int = 0) -> None:
         try:
             self.engine.add_request(request_id, prompt, params, priority=priority)
-            self._snapshot()
+            self._snapshot(added=request_id)
         finally:
-            # Set operations are atomic under the GIL; a ``+= 1`` shared between two
-            # threads would not be.
-            self._adding.discard(request_id)
+            with self._counts_lock:
+                self._adding.discard(request_id)  # refused by the engine: counted nowhere
 
     def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
         """Template or tokenize (on the tokenizer thread, through the engine's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import pytest
@@ -236,3 +237,42 @@ def test_a_burst_that_fits_the_free_seats_all_gets_in():
     assert len(refused) == 2 and len(results) - len(refused) == 10, results
     assert llm.llm_engine.kv_cache_manager.usage == 0
 
+
+
+def test_a_request_just_added_is_counted_once(monkeypatch):
+    """The stepping thread moves a request from "on its way" to the scheduler's waiting
+    count. If a newcomer's admission check ran between the two updates it saw the request
+    twice and got a spurious 503 (notebook 10's exercise 2 failed so on a busy CPU). Here
+    the stepping thread is held inside that moment on purpose: one seat, held by r0; r1
+    waits; r2 arrives while r1 is being counted, and must wait too (max_waiting=2)."""
+    llm = LLM(make_tiny_model("llama"), max_num_seqs=1, log_stats_interval=None)
+    kv = llm.llm_engine.kv_cache_manager
+    in_window, real_usage = threading.Event(), type(kv).usage
+
+    def slow_usage(self):
+        if not in_window.is_set() and any(r.request_id == "r1" for r in llm.llm_engine.scheduler.waiting):
+            in_window.set()  # r1 was just added: hold the stepping thread here a moment
+            time.sleep(0.3)
+        return real_usage.fget(self)
+
+    monkeypatch.setattr(type(kv), "usage", property(slow_usage))
+
+    async def arrivals():
+        engine = AsyncLLMEngine(llm.llm_engine, max_waiting=2)
+        engine.start()
+        r0 = await engine.add_request("r0", {"prompt_token_ids": [1, 2, 3]}, greedy(500))
+        while engine.num_running < 1:
+            await asyncio.sleep(0.01)
+        r1 = asyncio.ensure_future(engine.add_request("r1", {"prompt_token_ids": [4, 5, 6]}, greedy(4)))
+        await asyncio.to_thread(in_window.wait, 10)
+        try:
+            await engine.add_request("r2", {"prompt_token_ids": [7, 8, 9]}, greedy(4))
+            outcome = "admitted"
+        except EngineOverloadedError as e:
+            outcome = f"refused: {e}"
+        await r1
+        r0.close()
+        await engine.shutdown()
+        return outcome
+
+    assert asyncio.run(asyncio.wait_for(arrivals(), 60)) == "admitted"
