@@ -144,7 +144,7 @@ def test_cli_has_bench(capsys):
     assert "throughput" in out and "--num-requests" in out and "--tools" in out
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_bench_serve_drives_both_servers_and_the_offline_engine():
     """Every row made every requested token: the server in each mode and offline."""
     pytest.importorskip("httpx")
@@ -164,7 +164,7 @@ def test_bench_serve_drives_both_servers_and_the_offline_engine():
     assert table.count("20 req/s") == 2  # one rate row per server mode
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_cli_bench_memory_and_simulate(capsys, tmp_path):
     from minivllm.cli import main
 

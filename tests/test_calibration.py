@@ -94,7 +94,7 @@ def simulator_params(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_calibrate_fits_checks_and_caches_this_machines_model(empty_cache):
     from minivllm.simulator_fit import CalibrationError, calibrate
 

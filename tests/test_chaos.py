@@ -6,6 +6,11 @@ request that fails inside the engine (injected at the sampler); invalid requests
 with exactly its expected text, none may stall longer than ``STALL_BOUND_S``, the
 failing ones must get an error event, and afterwards the KV cache is empty, the engine
 alive, and a canary unchanged. The tiny random model keeps it to seconds.
+
+That streams keep flowing while a huge prompt arrives is checked by its cause, not by a
+clock: the huge prompt is tokenized on the tokenizer thread, never on the stepping
+thread (before issue 16 it was, and every stream paused 4-6 s). The longest gap is
+printed; ``STALL_BOUND_S`` is a liveness bound that only a hang reaches.
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ from minivllm.server import ServerThread, build_app  # noqa: E402
 
 N_CLIENTS = 64
 POISON_SEED = 4242
-STALL_BOUND_S = 2.0
-"""No stream may wait longer than this between two events, nor for its first one.
-(Before issue 16, tokenizing one 4 MB body on the stepping thread paused every stream
-for 4-6 s; on this tiny model a step takes milliseconds.)"""
+STALL_BOUND_S = 60.0
+"""No stream may wait longer than this between two events, nor for its first one: a
+liveness bound (a step of the tiny model takes milliseconds, even on a loaded laptop),
+not a speed claim."""
 QUESTIONS = ["What is the capital of France?", "Name a colour.", "Say hello.", "Count to three.",
              "Why is the sky blue?", "Write a haiku.", "What is 2 + 2?", "Name a planet."]
 
@@ -169,6 +174,14 @@ def test_chaos_64_streams_hang_ups_poison_and_a_huge_body():
     before = canary(llm)
     engine = llm.llm_engine
     engine.model_runner.sampler = PoisonedSampler(engine.model_runner.sampler)
+    tokenizer, encode = engine.processor.tokenizer, engine.processor.tokenizer.encode
+    huge_on = []  # the threads that tokenized a huge prompt
+
+    def recording_encode(text, *args, **kwargs):
+        if len(text) > 100_000:
+            huge_on.append(threading.current_thread().name)
+        return encode(text, *args, **kwargs)
+    tokenizer.encode = recording_encode  # this instance only, undone below
     with ServerThread(build_app(llm, max_waiting=None)) as server:
         aborts_before = scrape_aborts(server.url)
 
@@ -189,6 +202,7 @@ def test_chaos_64_streams_hang_ups_poison_and_a_huge_body():
         assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
         aborted = scrape_aborts(server.url) - aborts_before
     engine.model_runner.sampler = engine.model_runner.sampler.real
+    del tokenizer.encode
 
     assert statuses == {"nan string": 400, "top_p 0": 400, "seed 2^64": 400, "penalty": 400,
                         "image": 400, "text part 5": 400, "900 KB prompt": 400,
@@ -207,8 +221,10 @@ def test_chaos_64_streams_hang_ups_poison_and_a_huge_body():
     for spec in hung_up:  # what arrived before hanging up is a prefix of the expected text
         assert want[spec["index"]].startswith(results[spec["index"]]["text"]), spec
     assert 1 <= aborted <= len(hung_up)
+    # the 900 KB prompt was tokenized, off the thread that steps the engine
+    assert huge_on and not any(name.startswith("minivllm-engine") for name in huge_on), huge_on
     max_gap = max(r["max_gap"] for r in results)
-    assert max_gap < STALL_BOUND_S, f"a stream stalled for {max_gap:.2f} s"
+    assert max_gap < STALL_BOUND_S, f"a stream stalled for {max_gap:.2f} s: a hang?"
     assert canary(llm) == before
     assert llm.llm_engine.kv_cache_manager.usage == 0
     print(f"\nchaos: {N_CLIENTS} streams ({len(healthy)} healthy, {len(hung_up)} hung up, "

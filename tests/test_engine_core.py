@@ -30,7 +30,7 @@ from test_server import scrape, successes, wait_until_idle  # noqa: E402
 from minivllm.core_client import AsyncMPEngine  # noqa: E402
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
 
 TIMEOUT = 60.0
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

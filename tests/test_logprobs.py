@@ -246,7 +246,8 @@ def test_stop_token_among_drafts_keeps_logprobs_aligned(model):
 
 
 # -- through the server, engine core in its own process ----------------------------------------
-@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.multiprocess
 def test_openai_client_completions_and_chat_logprobs_stream_and_not():
     """The official client, both endpoints, streamed and not, against the offline engine
     on the same model: the same tokens, logprobs and top alternatives."""

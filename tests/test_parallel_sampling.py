@@ -209,7 +209,8 @@ def server():
         yield s
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.multiprocess
 def test_server_n_choices_through_the_openai_client(server):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="k", timeout=60, max_retries=0)

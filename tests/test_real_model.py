@@ -11,6 +11,8 @@ from helpers import all_blocks_free, greedy, hf_greedy, run_engine
 from minivllm import LLM, SamplingParams, model_loader
 from minivllm.model_loader import DEFAULT_MODEL, load_model, make_tiny_model
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def smollm2():
@@ -74,7 +76,7 @@ def test_chat_applies_the_template_and_matches_generate(smollm2):
     assert out.outputs[0].token_ids == expected
 
 
-def test_cached_model_reloads_fast_and_identically():
+def test_cached_model_reloads_identically_from_the_cache():
     start = time.perf_counter()
     llm = LLM(DEFAULT_MODEL, num_kv_blocks=64)
     seconds = time.perf_counter() - start

@@ -27,6 +27,8 @@ from tiny_chat import deadline  # noqa: E402
 from minivllm.router import LocalReplicas, build_router_app, free_port, load_tokenizer  # noqa: E402
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess
+
 TIMEOUT = 30.0
 SERVE_ARGS = ["--no-engine-process", "--log-stats-interval", "0", "--max-model-len", "512"]
 LONG = dict(max_tokens=450, temperature=0, extra_body={"ignore_eos": True})
@@ -233,7 +235,7 @@ def test_a_dead_replica_is_skipped_retried_and_probed_back(replicas, tiny_dir):
             with ServerThread(build_app(tiny_chat_llm(), max_waiting=8), port=port):
                 t = time.monotonic()
                 while not state.replicas[0].healthy:
-                    assert time.monotonic() - t < 10, "the replica was never probed back"
+                    assert time.monotonic() - t < 60, "the replica was never probed back"
                     time.sleep(0.05)
         finally:
             rt.stop()
@@ -338,7 +340,7 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp
             parent.wait(30)
             t = time.monotonic()
             while not all(_gone(c) for c in children):
-                assert time.monotonic() - t < 20, "a replica outlived serve --data-parallel-size"
+                assert time.monotonic() - t < 60, "a replica outlived serve --data-parallel-size"
                 time.sleep(0.1)
         # uvicorn's access lines, one from the router and one from the replica that answered,
         # only at "info": --uvicorn-log-level reaches the router and every replica.

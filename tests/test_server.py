@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.real_model
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -289,6 +289,7 @@ def chat(client, **kwargs):
         messages=[{"role": "user", "content": "Describe a person as JSON."}], **kwargs)
 
 
+@pytest.mark.multiprocess
 def test_server_response_format_json_schema(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     for seed in range(5):
@@ -299,6 +300,7 @@ def test_server_response_format_json_schema(client):
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
+@pytest.mark.multiprocess
 def test_server_guided_fields_on_both_endpoints(client):
     r = chat(client, seed=1, extra_body={"guided_choice": CHOICES})
     assert r.choices[0].message.content in CHOICES
@@ -307,6 +309,7 @@ def test_server_guided_fields_on_both_endpoints(client):
     assert re.fullmatch(REGEX, c.choices[0].text) and c.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("body, param, message", [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},

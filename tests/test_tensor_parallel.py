@@ -20,6 +20,8 @@ from minivllm import LLM, EngineConfig
 from minivllm.exceptions import ValidationError
 from minivllm.model_loader import make_tiny_model
 
+pytestmark = pytest.mark.multiprocess
+
 VOCAB = 512
 
 
@@ -158,7 +160,7 @@ def test_workers_end_when_the_engine_process_is_killed_or_interrupted(tmp_path, 
     assert wait_gone(pids, timeout=10)
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_smollm2_with_three_ranks_is_token_identical_to_one():
     """SmolLM2-135M: 9 query heads and 3 KV heads, so 3 query heads and 1 KV head per rank."""
     from minivllm.model_loader import load_model

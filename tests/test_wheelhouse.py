@@ -85,7 +85,8 @@ def hosted_first_cell(wheel: Path) -> str:
 
 
 @pytest.mark.wheelhouse
-@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.multiprocess
 def test_offline_install_from_wheelhouse(tmp_path: Path) -> None:
     """Build the wheelhouse; then, with no network: set up the engine from it, check that
     the whole `make setup` set (``minivllm[dev]``) resolves from it, and run the hosted
@@ -161,7 +162,7 @@ def test_offline_install_from_wheelhouse(tmp_path: Path) -> None:
     assert again.returncode == 0 and again.stdout.strip() == "done", again.stdout + again.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_warmup_converts_once_then_reuses_the_cache(tmp_path: Path, monkeypatch, capsys) -> None:
     from minivllm.cli import main
     from minivllm.warmup import warmup

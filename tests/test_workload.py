@@ -80,7 +80,7 @@ def tokenizer():
         pytest.skip(f"SmolLM2 not available: {e}")
 
 
-@pytest.mark.slow
+@pytest.mark.real_model
 def test_chat_workload_is_chat_templated_and_deterministic(tokenizer):
     w = chat_workload(tokenizer, n=32, seed=0)
     assert w == chat_workload(tokenizer, n=32, seed=0)
