@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -73,13 +74,21 @@ def convert_gguf(name: str, out_dir: Path) -> None:
     # transformers treat them as still quantized (and refuse to save them).
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # A folder of this process's own: two processes converting at once (two replicas, two
+    # test workers on a fresh machine) must not write into the same one.
+    tmp = out_dir.with_name(f"{out_dir.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out_dir)  # atomic: a half-written cache is never mistaken for a good one
+    try:
+        os.replace(tmp, out_dir)  # atomic: a half-written cache is never mistaken for a good one
+    except OSError:
+        if not (out_dir / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: keep its copy
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -114,3 +114,19 @@ def test_local_hf_folder(tmp_path, smollm2):
     b = in_memory.generate("Hello there", params, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].text == b.outputs[0].text
+
+
+def test_two_conversions_at_once_keep_one_good_cache(tmp_path, monkeypatch, smollm2):
+    """Two processes converting on first use (two replicas, two test workers) each write a
+    folder of their own; the one that finishes second keeps the first one's cache. The
+    GGUF reading is replaced by a tiny model so that this takes a second, not 30."""
+    _, tokenizer = smollm2
+    tiny = make_tiny_model("llama", vocab_size=len(tokenizer))
+    monkeypatch.setattr(model_loader.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(model_loader.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    out = tmp_path / DEFAULT_MODEL
+    model_loader.convert_gguf(DEFAULT_MODEL, out)  # the first to finish
+    first = (out / "model.safetensors").read_bytes()
+    model_loader.convert_gguf(DEFAULT_MODEL, out)  # the second: its rename finds the folder there
+    assert (out / "model.safetensors").read_bytes() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL]  # no folder left behind
