@@ -16,6 +16,9 @@
 #                `make setup` installs from it with no network (used by default when
 #                wheelhouse/ holds wheels)
 #   PYTEST_ARGS  extra pytest arguments, e.g. PYTEST_ARGS="-x -k scheduler"
+#   JOBS         pytest-xdist workers for `make test` (default 2: one per core on a 2-core
+#                laptop; each gets its share of the cores); JOBS=0 runs everything in one
+#                process, e.g. to read a failing test's output in order
 #   PROMPT       the question `make demo` asks the chat model
 #   LAB_ARGS     extra JupyterLab arguments, e.g. LAB_ARGS="--no-browser --port 8889"
 #   DOCS_OUT     where `make docs` writes the site (default build/docs/html)
@@ -27,6 +30,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 WHEELHOUSE  ?= $(if $(wildcard wheelhouse/*.whl),wheelhouse)
 PYTEST_ARGS ?=
+JOBS        ?= 2
 PROMPT      ?= What is the capital of France?
 DOCS_OUT    ?= build/docs/html
 # Learner copies of the notebooks: solutions removed, outputs cleared (`make learner`).
@@ -93,11 +97,13 @@ lab: setup
 
 # Every notebook runs once under nbval, its stored outputs compared, and then its
 # exercises once more as the learner copy has them (answers blank, solutions removed).
+# pytest-xdist spreads the work over JOBS workers; --dist loadscope keeps each test
+# module, and each notebook's cells, on one worker, in order.
 test: setup
 	$(BIN)/ruff check .
 	rm -rf $(CHECK_DIR)
 	$(BIN)/python -m minivllm.exercises --check notebooks $(CHECK_DIR)
-	$(BIN)/pytest tests $(CHECK_DIR) $(NBVAL) $(PYTEST_ARGS)
+	$(BIN)/pytest tests $(CHECK_DIR) $(NBVAL) -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
 
 learner: setup
 	$(BIN)/python -m minivllm.exercises notebooks $(LEARNER_DIR)

@@ -11,3 +11,9 @@ import os
 import tempfile
 
 os.environ.setdefault("MINIVLLM_FIGURES_DIR", tempfile.mkdtemp(prefix="minivllm-figures-"))
+
+# Under pytest-xdist each worker's notebook kernels get the worker's share of the cores
+# (tests/conftest.py says why); a kernel reads OMP_NUM_THREADS when torch starts in it.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))

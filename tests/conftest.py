@@ -8,6 +8,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs pytest-xdist workers, one per core by default. Each worker then gets its
+# share of the cores (and so do the processes it starts: notebook kernels, engine cores,
+# servers, which read OMP_NUM_THREADS): torch's default of one thread per core in every
+# worker would put twice as many busy threads as cores on the machine.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _share = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Not MPLBACKEND=Agg in os.environ: nbval's notebook kernels would inherit it and lose
 # their inline figures. Selecting the backend in this process only is enough for tests.
 import matplotlib  # noqa: E402
