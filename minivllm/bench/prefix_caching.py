@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from minivllm.bench.common import engine_settings
+from minivllm.bench.timing import Timing, compare
 from minivllm.bench.tools import run_minivllm
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
@@ -19,30 +20,43 @@ from minivllm.workload import WorkloadRequest, chat_workload
 
 
 def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
-                             engine_kwargs: dict | None = None) -> list[dict]:
-    """The same workload with prefix caching on and off, on one loaded model.
+                             engine_kwargs: dict | None = None, rounds: int = 1) -> list[dict]:
+    """The same workload with prefix caching on and off, on one loaded model, ``rounds``
+    times each, interleaved (on, off, then off, on, ...: :mod:`minivllm.bench.timing`).
 
     Returns one row per setting: prompt tokens actually computed (prefill work in the
-    trace), prefix-cache hit rate, mean TTFT, output tokens/s, and whether the greedy
-    outputs equal the first setting's.
+    trace), prefix-cache hit rate, whether the greedy outputs equal the first setting's
+    (the same in every round: they are counts), and the wall-clock figures as
+    :class:`~minivllm.bench.timing.Timing` over the rounds (mean TTFT, output tokens/s).
     """
-    rows, first = [], None
-    for caching in (True, False):
-        cfg = EngineConfig(log_stats_interval=None, enable_prefix_caching=caching, **(engine_kwargs or {}))
-        engine = LLMEngine(cfg, model, tokenizer)
-        res = run_minivllm(engine, workload)
-        ttfts = [m.ttft for m in engine.trace.requests.values() if m.ttft is not None]
-        first = first or res.token_ids
-        rows.append({
-            "prefix caching": "on" if caching else "off",
-            "prompt tokens": sum(r.num_prompt_tokens for r in workload),
-            "prompt tokens computed": sum(s.num_prefill_tokens for s in engine.trace.steps),
-            "hit rate": engine.kv_cache_manager.prefix_cache_stats.hit_rate,
-            "mean TTFT s": sum(ttfts) / len(ttfts),
-            "out tok/s": res.tokens_per_s,
-            "wall s": res.wall_s,
-            "same outputs": res.token_ids == first,
-        })
+    settings = (True, False)
+    counts: dict[bool, dict] = {}
+    ttft: dict[bool, list[float]] = {c: [] for c in settings}
+    rates: dict[bool, list[float]] = {c: [] for c in settings}
+    first = None
+    for r in range(rounds):
+        for caching in (settings if r % 2 == 0 else settings[::-1]):
+            cfg = EngineConfig(log_stats_interval=None, enable_prefix_caching=caching, **(engine_kwargs or {}))
+            engine = LLMEngine(cfg, model, tokenizer)
+            res = run_minivllm(engine, workload)
+            ttfts = [m.ttft for m in engine.trace.requests.values() if m.ttft is not None]
+            first = first or res.token_ids
+            ttft[caching].append(sum(ttfts) / len(ttfts))
+            rates[caching].append(res.tokens_per_s)
+            row = {
+                "prompt tokens": sum(w.num_prompt_tokens for w in workload),
+                "prompt tokens computed": sum(s.num_prefill_tokens for s in engine.trace.steps),
+                "hit rate": engine.kv_cache_manager.prefix_cache_stats.hit_rate,
+                "same outputs": res.token_ids == first,
+            }
+            if counts.setdefault(caching, row) != row:  # deterministic: every round the same
+                raise RuntimeError(f"prefix caching {caching}: round {r} differs from round 0: {row}")
+    rows = []
+    for caching in settings:
+        name = "on" if caching else "off"
+        rows.append({"prefix caching": name, **counts[caching],
+                     "mean TTFT": Timing(f"caching {name}", tuple(ttft[caching])),
+                     "out tok/s": Timing(f"caching {name}", tuple(rates[caching]), "tok/s", higher_is_better=True)})
     return rows
 
 
@@ -54,8 +68,12 @@ def main(args: argparse.Namespace) -> int:
     n = args.num_requests or 32
     workload = chat_workload(tok, n, args.seed, prompt_len=(270, 330), output_len=(16, 64),
                              shared_prefix_len=256)
-    rows = prefix_caching_benchmark(workload, model, tok, engine_settings(args))
-    print(f"{n} chat requests sharing a 256-token system prompt (prompts 270-330 tokens, outputs 16-64):")
+    rows = prefix_caching_benchmark(workload, model, tok, engine_settings(args), rounds=args.rounds)
+    print(f"{n} chat requests sharing a 256-token system prompt (prompts 270-330 tokens, outputs 16-64), "
+          f"{args.rounds} interleaved round(s) each; times are the median (middle half):")
     for row in rows:
         print(", ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}" for k, v in row.items()))
+    on, off = rows
+    print("time to first token:", compare(on["mean TTFT"], off["mean TTFT"]).verdict)
+    print("throughput:", compare(on["out tok/s"], off["out tok/s"]).verdict)
     return 0
