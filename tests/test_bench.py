@@ -55,7 +55,31 @@ def test_linear_benchmark_times_both_backends(tiny):
     assert all(r["layers"] == decoder_linears for r in rows)
     assert all(r["torch s"] > 0 and r["onednn s"] > 0 and r["transposed s"] > 0 for r in rows)
     assert all(r["speed-up"] == r["torch s"] / r[f"{r['fastest']} s"] >= 1 for r in rows)
+    # Every backend timed in the same interleaved rounds; the medians are the columns.
+    assert all(len(t.samples) == 1 and r[f"{b} s"] == t.median for r in rows for b, t in r["timings"].items())
+    assert all(isinstance(r["verdict"], str) and r["verdict"] for r in rows)
     assert all(type(m) is nn.Linear for m in plain_linears(tiny))  # swapped back afterwards
+
+
+def test_throughput_rounds_are_interleaved_and_count_forward_passes(tiny):
+    w = make_workload(None, 4, seed=0, prompt_len=(5, 40), output_len=(3, 12))
+    report = throughput_benchmark(w, tiny, None, ["minivllm", "hf-generate", "hf-static"], static_batch_size=2,
+                                  engine_kwargs=dict(max_num_batched_tokens=32, device="cpu"), rounds=3)
+    assert report.rounds == 3 and all(len(walls) == 3 for walls in report.wall_s.values())
+    assert all(len(report.timings[t].samples) == 3 and report.timings[t].unit == "tok/s" for t in report.wall_s)
+    assert all(r.wall_s == sorted(report.wall_s[r.tool])[1] for r in report.results)  # the median round
+    # Forward passes do not depend on the clock: one per output token one at a time, one per
+    # output token of the longest request per static batch; every round the same engine steps
+    # (the prefix cache is reset between rounds, so no round finds the last one's prompts).
+    out = [r.max_tokens for r in w]
+    assert report.forward_passes["hf-generate"] == sum(out)
+    assert report.forward_passes["hf-static"] == max(out[:2]) + max(out[2:])
+    assert report.forward_passes["minivllm"] < report.forward_passes["hf-static"]
+    assert report.matches == {"hf-generate": 4, "hf-static": 4}
+    assert "3 interleaved rounds" in report.table()
+    plot_throughput(report)  # with error bars: the middle half of the rounds
+    with pytest.raises(ValueError, match="rounds"):
+        throughput_benchmark(w, tiny, None, ["minivllm"], rounds=0)
 
 
 def test_tools_can_be_selected(tiny):
@@ -179,8 +203,9 @@ def test_prefix_caching_benchmark_saves_prefill_work(tiny):
     from minivllm.bench import prefix_caching_benchmark
 
     w = make_workload(None, 6, seed=3, prompt_len=(40, 50), output_len=4, shared_prefix_len=32)
-    on, off = prefix_caching_benchmark(w, tiny, None, dict(block_size=8, device="cpu"))
+    on, off = prefix_caching_benchmark(w, tiny, None, dict(block_size=8, device="cpu"), rounds=2)
     assert (on["prefix caching"], off["prefix caching"]) == ("on", "off")
+    assert len(on["mean TTFT"].samples) == len(off["out tok/s"].samples) == 2  # one per round
     assert off["prompt tokens computed"] == off["prompt tokens"] and off["hit rate"] == 0
     # Every request after the first finds the 32 shared tokens (4 full blocks) cached.
     assert on["prompt tokens computed"] <= on["prompt tokens"] - 5 * 32

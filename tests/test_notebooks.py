@@ -209,3 +209,57 @@ def test_notebook_05_runs_on_the_reference_path_without_triton(tmp_path):
     assert "PyTorch reference" in text, "the notebook does not say it ran the reference"
     assert not [o for c in code_cells(nb) for o in c.get("outputs", [])
                 if o.get("output_type") == "error"]
+
+
+# -- no wall-clock assertion ------------------------------------------------------------------
+
+WALL_CLOCK = re.compile(
+    r"perf_counter|monotonic|time\.time|\.duration\b|"
+    r"\b\w*(?:_s|_ms|_sec|seconds|elapsed|wall\w*|ttft\w*|itl\w*|tpot\w*|tok_s|tokens_per_s|"
+    r"throughput|speed\w*|speedup\w*|latenc\w*|flop_s)\b|"
+    r"[\"'][^\"']*(?:\bs\b|\bms\b|seconds|ttft|itl|tok/s|wall|speed)[^\"']*[\"']", re.I)
+NOT_WALL_CLOCK = re.compile(r"sim|by definition|causal|predict|analytic", re.I)
+"""Words that say why an assertion on a time holds on every machine: it reads the
+simulator's clock (``sim_...``, ``# simulated clock``), an identity between clocks
+(``# by definition``), an order that causality fixes (``# causal: ...``), or a model's
+prediction (``predicted_...``, ``# analytic``)."""
+
+
+def wall_clock_asserts(code: str) -> list[str]:
+    """The assert statements in ``code`` whose condition reads a clock-like quantity
+    (seconds, TTFT, tokens/s, speed-up ...) and does not say why it holds on every machine
+    (:data:`NOT_WALL_CLOCK`, in a name or a comment on its lines)."""
+    lines = code.splitlines()
+    clean = "\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in lines)
+    found = []
+    for node in ast.walk(ast.parse(clean)):
+        if not isinstance(node, ast.Assert):
+            continue
+        text = ast.get_source_segment(clean, node.test) or ""
+        line = " ".join(lines[node.lineno - 1:node.end_lineno])
+        if WALL_CLOCK.search(text) and not NOT_WALL_CLOCK.search(line):
+            found.append(line.strip())
+    return found
+
+
+def test_wall_clock_asserts_are_found():
+    """The rule below, tried on lines it must flag and lines it must leave alone."""
+    assert wall_clock_asserts("assert tight_s > 1.2 * ample_s")
+    assert wall_clock_asserts('assert runs[True]["ttft"] < 0.8 * runs[False]["ttft"]')
+    assert wall_clock_asserts("assert best[4].speedup > 1.2")
+    assert not wall_clock_asserts("assert len(trace.steps) > 2 * len(ample.trace.steps)")
+    assert not wall_clock_asserts("assert sim_ttft[1] < sim_ttft[0]")
+    assert not wall_clock_asserts("assert res.ttft_p50 < 2  # simulated clock")
+    assert not wall_clock_asserts("assert m.queue_time + m.prefill_time == m.ttft  # by definition")
+    assert not wall_clock_asserts("assert got == reference")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_wall_clock_assertion(path):
+    """A lesson asserts mechanisms (tokens, steps, blocks, bytes, FLOPs, simulated time),
+    never a wall-clock time: a learner's laptop is not the machine the notebook was stored
+    on. Timings are printed with their spread (minivllm.bench.timing) instead. An assertion
+    on a time that holds everywhere says why (:data:`NOT_WALL_CLOCK`)."""
+    found = [f"cell {i}: {line}" for i, c in enumerate(load(path)["cells"])
+             if c["cell_type"] == "code" for line in wall_clock_asserts(source(c))]
+    assert not found, "wall-clock assertions:\n" + "\n".join(found)

@@ -111,3 +111,31 @@ def test_server_priority_field(policy):
         with pytest.raises(openai.BadRequestError):  # not an integer
             client.completions.create(model=None, prompt="Hello", max_tokens=2,
                                       extra_body={"priority": "high"})
+
+
+def test_admitted_ahead_counts_the_batch_requests_that_went_before_a_waiting_chat_request():
+    """Notebook 13's mechanism check, on the simulator (a virtual clock, so the same on every
+    machine): under priority no batch request is admitted while a chat request waits; under
+    fcfs exactly those batch requests still waiting when it arrived are."""
+    import dataclasses
+
+    from minivllm.bench.priority import admitted_ahead, priority_workload, request_group
+    from minivllm.replay import replay_workload
+    from minivllm.simulator import CostModel, make_simulated_engine
+
+    w = priority_workload(None, num_batch=8, num_interactive=4, interactive_rate=2.0, seed=0,
+                          batch_prompt_len=(100, 200), batch_output_len=(16, 32),
+                          interactive_prompt_len=(20, 40), interactive_output_len=(4, 8))
+    ahead, traces = {}, {}
+    for policy in ("fcfs", "priority"):
+        engine = make_simulated_engine(CostModel.load(), scheduling_policy=policy, max_num_seqs=4)
+        replay_workload(engine, w if policy == "priority" else [dataclasses.replace(r, priority=0) for r in w])
+        ahead[policy], traces[policy] = admitted_ahead(engine.trace), engine.trace
+    assert set(ahead["priority"]) == {r.request_id for r in w if request_group(r.request_id) == "interactive"}
+    assert not any(ahead["priority"].values())
+    assert any(ahead["fcfs"].values())  # the workload makes chat requests wait behind the flood
+    reqs = traces["fcfs"].requests
+    for rid, batch in ahead["fcfs"].items():
+        still_waiting = {b for b, m in reqs.items()
+                         if request_group(b) == "batch" and m.first_scheduled_time > reqs[rid].arrival_time}
+        assert set(batch) == still_waiting

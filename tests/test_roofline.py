@@ -56,6 +56,9 @@ def test_roofline_benchmark_on_a_tiny_engine():
                      "throughput workload (6 requests)"]
     prefill, decode1, decode8, whole = report.points
     assert whole.steps == len(engine.trace.steps) > 1
+    # A step point is the fastest of the steps of its kind, all of which it keeps.
+    assert all(p.seconds == min(p.samples) and p.timing.samples == p.samples for p in (prefill, decode1, decode8))
+    assert len(prefill.samples) == 2 and whole.samples == () and whole.timing.samples == (whole.seconds / whole.steps,)
     assert all(p.flops > 0 and p.seconds > 0 and p.bytes >= ModelCost.from_model(model).weight_bytes
                for p in report.points)
     # Reusing each weight for more rows raises the intensity: decode 1 < decode 8 < prefill.

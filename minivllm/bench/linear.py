@@ -9,20 +9,28 @@ in use.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Sequence
 
 import torch
 
+from minivllm.bench.timing import compare, measure
+
 
 @torch.inference_mode()
 def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int = 3,
-                     backends: Sequence[str] | None = None) -> list[dict]:
+                     backends: Sequence[str] | None = None, warmup: int = 1) -> list[dict]:
     """Seconds for every decoder linear layer of ``model`` (not the vocabulary projection)
     to multiply ``n`` rows, through each of ``backends`` (default: every one that runs
-    here), best of ``repeats``. The layers run one after another as in a forward pass,
-    so each weight comes from memory rather than cache, as in a real step. Each row says
-    ``"<backend> s"`` and ``"speed-up"``: ``nn.Linear``'s time over the fastest's."""
+    here). The layers run one after another as in a forward pass, so each weight comes
+    from memory rather than cache, as in a real step. The backends are timed in
+    interleaved rounds (:func:`minivllm.bench.timing.measure`: ``warmup`` rounds dropped,
+    then ``repeats`` rounds), so a slow moment of a shared machine slows them alike.
+
+    Each row says ``"<backend> s"`` (the median of the rounds), ``"timings"`` (each
+    backend's :class:`~minivllm.bench.timing.Timing`, every round), ``"fastest"`` (the
+    lowest median), ``"speed-up"`` (``nn.Linear``'s median over the fastest's) and
+    ``"verdict"``: whether the fastest is clearly faster than its runner-up on this
+    machine, or their spreads overlap (:func:`minivllm.bench.timing.compare`)."""
     from minivllm.linear import LinearPlan, candidate_backends, plain_linears, planned_linear
 
     output = model.get_output_embeddings()
@@ -31,33 +39,36 @@ def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int 
     backends = backends or candidate_backends(param.device, param.dtype)
     results = []
 
-    def best(inputs: dict[int, torch.Tensor], backend: str) -> float:
-        times = []
-        for _ in range(repeats):
+    def run(inputs: dict[int, torch.Tensor], backend: str):
+        def once() -> None:
             with planned_linear([(m, LinearPlan.single(backend).layers) for m in linears]):
-                t = time.perf_counter()
                 for m in linears:
                     m(inputs[m.in_features])
-                times.append(time.perf_counter() - t)
-        return min(times)
+        return once
 
     for n in rows:
         inputs = {m.in_features: torch.randn(n, m.in_features, dtype=param.dtype) for m in linears}
-        row = {"rows": n, "layers": len(linears), **{f"{b} s": best(inputs, b) for b in backends}}
-        row["fastest"] = min(backends, key=lambda b: row[f"{b} s"])
+        timings = measure({b: run(inputs, b) for b in backends}, rounds=repeats, warmup=warmup)
+        row = {"rows": n, "layers": len(linears), **{f"{b} s": timings[b].median for b in backends}}
+        ranked = sorted(backends, key=lambda b: timings[b].median)
+        row["fastest"] = ranked[0]
         row["speed-up"] = row["torch s"] / row[f"{row['fastest']} s"]
+        row["timings"] = timings
+        row["verdict"] = (compare(timings[ranked[0]], timings[ranked[1]]).verdict if len(ranked) > 1
+                          else f"only {ranked[0]} runs here")
         results.append(row)
     return results
 
 
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench linear``: every decoder linear layer of the model, each library."""
+    from minivllm.bench.timing import table
     from minivllm.model_loader import load_model
 
     model, _ = load_model(args.model)
-    print("every decoder linear layer once, weights from memory (best of 3), ms:")
+    print("every decoder linear layer once, weights from memory (3 interleaved rounds after a warm-up), ms:")
     for r in linear_benchmark(model):
-        times = ", ".join(f"{k[:-2]} {v * 1e3:7.1f}" for k, v in r.items() if k.endswith(" s"))
-        print(f"{r['rows']:>4} rows x {r['layers']} layers: {times}; fastest {r['fastest']}, "
-              f"{r['speed-up']:.2f}x nn.Linear")
+        print(f"{r['rows']} rows x {r['layers']} layers:")
+        print(table([t.scaled(1e3, "ms") for t in r["timings"].values()], baseline="torch"))
+        print(f"fastest {r['fastest']}, {r['speed-up']:.2f}x nn.Linear; {r['verdict']}")
     return 0

@@ -86,6 +86,35 @@ def summarize_run(trace: Trace, policy: str) -> dict:
     }
 
 
+def admitted_ahead(trace: Trace) -> dict[str, list[str]]:
+    """For each interactive request, the batch requests admitted while it waited: first
+    scheduled at a step that began after it had been added to the engine and before the
+    step that first scheduled it. The scheduler decides this, not the clock: under
+    "priority" the list is empty for every interactive request (the waiting queue is
+    ordered by priority, and admission stops at its head, never skips it); under "fcfs" it
+    holds every batch request still waiting when the interactive one arrived. How many
+    those are depends on how far the batch job got by then, on this machine.
+
+    A request counts as added at step ``j`` once step ``j - 1`` ended after its arrival
+    time (:func:`~minivllm.replay.replay_workload` adds every request whose arrival time
+    has passed before it steps), so a step that merely began after the arrival time, the
+    request not yet added, is never counted against the scheduler."""
+    steps = list(trace.steps)  # the whole run: a trace cut to its last steps would miss admissions
+    first: dict[str, int] = {}
+    for rec in steps:
+        for chunk in rec.scheduled:
+            first.setdefault(chunk.request_id, rec.step)
+    out: dict[str, list[str]] = {}
+    for rid, m in trace.requests.items():
+        if request_group(rid) != INTERACTIVE:
+            continue
+        added = next((rec.step for prev, rec in zip(steps, steps[1:]) if prev.end >= m.arrival_time),
+                     first[rid])
+        out[rid] = sorted((b for b, j in first.items() if request_group(b) == BATCH and added <= j < first[rid]),
+                          key=lambda b: (first[b], b))
+    return out
+
+
 def priority_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
                        policies: Sequence[str] = ("fcfs", "priority"),
                        engine_kwargs: dict | None = None) -> tuple[list[dict], dict[str, Trace]]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
+from minivllm.bench.timing import Timing
 from minivllm.bench.tools import run_minivllm
 from minivllm.engine import EngineConfig, LLMEngine
 from minivllm.linear import FORWARD, plain_linears
@@ -104,6 +105,15 @@ class RooflinePoint:
     bytes: float
     seconds: float
     steps: int = 1
+    samples: tuple[float, ...] = ()
+    """Seconds of every step of this kind that ran (:func:`step_points` keeps the fastest
+    as ``seconds``); empty for a point measured once."""
+
+    @property
+    def timing(self) -> Timing:
+        """Seconds per step as a :class:`~minivllm.bench.timing.Timing`: median and middle
+        half of ``samples`` (or the one measurement), for printing beside the point."""
+        return Timing(self.name, self.samples or (self.seconds / self.steps,))
 
     @property
     def flop_s(self) -> float:
@@ -203,7 +213,8 @@ def step_points(engine: LLMEngine, cost: ModelCost, prefill: int = 512, decode_b
     """Single steps on a running engine: a ``prefill``-token prompt in one step (best of
     ``repeats``), and decode steps of each batch size with every sequence ``context``
     tokens long (the fastest of ``decode_steps`` steps in which exactly that many
-    sequences decode and nothing else runs). Prompts are random token ids, never repeated,
+    sequences decode and nothing else runs). Each point keeps every such step's duration
+    in ``samples``, so a lesson can print the spread beside the fastest. Prompts are random token ids, never repeated,
     so the prefix cache cannot shorten the work."""
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
@@ -217,7 +228,7 @@ def step_points(engine: LLMEngine, cost: ModelCost, prefill: int = 512, decode_b
             raise RuntimeError(f"no step of the kind {name!r} ran; raise max_num_batched_tokens or max_num_seqs")
         s = min(steps, key=lambda s: s.duration)
         flops, nbytes = cost.step(s, engine.trace)
-        return RooflinePoint(name, flops, nbytes, s.duration)
+        return RooflinePoint(name, flops, nbytes, s.duration, samples=tuple(s.duration for s in steps))
 
     points = []
     engine.trace.clear()

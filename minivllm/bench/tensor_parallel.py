@@ -11,10 +11,13 @@ all-reduce is timed alone (``measure_all_reduce``: T processes doing nothing els
 transport's own cost; in a step an all-reduce costs more, because it also waits for the
 slowest rank to arrive.
 
-On one CPU the ranks share the same cores and memory bandwidth, so splitting the model
-saves no arithmetic time and adds an all-reduce per block: T > 1 is slower here, and
-the split shows by how much. On GPUs each rank brings its own compute and memory
-bandwidth, and the all-reduce runs over NVLink; that is where tensor parallelism pays.
+On one small CPU the ranks share the same cores and memory bandwidth, so splitting the
+model saves no arithmetic time and adds an all-reduce per block: expect T > 1 to be
+slower there, and read from the split by how much. Each row also keeps every step's
+rank-0 compute and communication (``decode_compute_s``, ``decode_comm_s``, ...), so
+that a lesson prints them with their spread (:mod:`minivllm.bench.timing`). On GPUs each
+rank brings its own compute and memory bandwidth, and the all-reduce runs over NVLink;
+that is where tensor parallelism pays.
 """
 
 from __future__ import annotations
@@ -79,16 +82,20 @@ def _run_one(LLM, model, tensor_parallel_size: int, prompts: list[list[int]], ma
             continue
         row[f"{kind}_steps"] = len(sel)
         row[f"{kind}_step_ms"] = 1e3 * statistics.mean(s.duration for s in sel)
+        # Each step's rank-0 compute and communication (seconds), for a spread:
+        # minivllm.bench.timing.Timing(name, row["decode_compute_s"]).
         if tensor_parallel_size == 1:
-            row[f"{kind}_compute_ms"] = 1e3 * statistics.mean(s.model_time for s in sel)
-            row[f"{kind}_comm_ms"] = 0.0
+            row[f"{kind}_compute_s"] = tuple(s.model_time for s in sel)
+            row[f"{kind}_comm_s"] = tuple(0.0 for _ in sel)
             row[f"{kind}_worker_comm_ms"] = 0.0
         else:
-            row[f"{kind}_compute_ms"] = 1e3 * statistics.mean(s.parallel.compute_time[0] for s in sel)
-            row[f"{kind}_comm_ms"] = 1e3 * statistics.mean(s.parallel.comm_time[0] for s in sel)
+            row[f"{kind}_compute_s"] = tuple(s.parallel.compute_time[0] for s in sel)
+            row[f"{kind}_comm_s"] = tuple(s.parallel.comm_time[0] for s in sel)
             row[f"{kind}_worker_comm_ms"] = 1e3 * statistics.mean(max(s.parallel.comm_time[1:])
                                                                   for s in sel)
             row["all_reduces_per_step"] = sel[0].parallel.num_all_reduces
+        row[f"{kind}_compute_ms"] = 1e3 * statistics.mean(row[f"{kind}_compute_s"])
+        row[f"{kind}_comm_ms"] = 1e3 * statistics.mean(row[f"{kind}_comm_s"])
     return row
 
 

@@ -1,10 +1,16 @@
 """Throughput mode: one offline workload, every request at once, served by every tool.
 
 ``minivllm bench throughput`` (notebooks 02 and 09). The tools are in
-:mod:`minivllm.bench.tools`; minivllm always runs first and is the reference for the
-greedy-identity check, so the report says both how fast each tool is and whether it
-produced exactly minivllm's tokens. It also reports the engine's overhead: the share of
-step time spent outside the model forward, read off the trace.
+:mod:`minivllm.bench.tools`; minivllm is the reference for the greedy-identity check, so
+the report says both how fast each tool is and whether it produced exactly minivllm's
+tokens. With ``rounds`` > 1 every tool serves the workload once per round, interleaved
+(the order rotates each round, as :func:`minivllm.bench.timing.measure` does), and the
+report gives each tool's median with the middle half of its rounds
+(:attr:`ThroughputReport.timings`), so a verdict from :func:`minivllm.bench.timing.compare`
+can say whether a difference is clear on this machine. It also counts the forward passes
+each tool made (engine steps for minivllm, calls of the model's ``forward`` for the
+transformers baselines): that count does not depend on the clock. And it reports the
+engine's overhead: the share of step time spent outside the model forward, read off the trace.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
+from minivllm.bench.timing import Timing, compare
 from minivllm.bench.tools import (
     TOOL_LABELS,
     TOOLS,
@@ -36,6 +43,9 @@ from minivllm.trace import Trace
 from minivllm.workload import WorkloadRequest, chat_workload, make_workload, summarize
 
 logger = logging.getLogger("minivllm")
+
+ROUNDS = 3
+"""Rounds ``minivllm bench throughput`` runs (interleaved; each round serves the whole workload)."""
 
 
 def engine_overhead(trace: Trace, min_running: int = 32) -> dict[str, float]:
@@ -70,18 +80,45 @@ class ThroughputReport:
     """Per tool: (request id, first differing position) of the requests that differ."""
     overhead: dict[str, float] = field(default_factory=dict)
     environment: dict = field(default_factory=dict)
+    wall_s: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Per tool: the wall time of every round, in the order they ran."""
+    forward_passes: dict[str, int] = field(default_factory=dict)
+    """Per tool: forward passes through the model in one round (engine steps for
+    minivllm; calls of the model's ``forward`` for the transformers tools)."""
 
     def result(self, tool: str) -> ToolResult | None:
         return next((r for r in self.results if r.tool == tool), None)
 
+    @property
+    def rounds(self) -> int:
+        return min((len(w) for w in self.wall_s.values()), default=1)
+
+    @property
+    def timings(self) -> dict[str, Timing]:
+        """Per tool: output tokens per second of each round, named by the tool's label,
+        for :func:`minivllm.bench.timing.table` and :func:`~minivllm.bench.timing.compare`."""
+        out = {}
+        for r in self.results:
+            walls = self.wall_s.get(r.tool, (r.wall_s,))
+            out[r.tool] = Timing(TOOL_LABELS.get(r.tool, r.tool), tuple(walls)).rate(r.output_tokens, "tok/s")
+        return out
+
     def table(self) -> str:
         base = self.result("hf-generate")
+        timings = self.timings
         n = self.workload["num_requests"]
-        lines = [f"{'tool':<44} {'wall s':>8} {'out tok/s':>10} {'vs 1-at-a-time':>15} {'same as minivllm':>17}"]
+        lines = [f"{'tool':<46} {'wall s':>6} {'out tok/s':>9} {'middle half':>13} {'vs 1-at-a-time':>14} "
+                 f"{'passes':>6} {'same as minivllm':>16}"]
         for r in self.results:
-            ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+            t = timings[r.tool]
+            ratio = f"{t.median / timings['hf-generate'].median:.2f}x" if base else "-"
             same = f"{self.matches.get(r.tool, n)}/{n}"
-            lines.append(f"{TOOL_LABELS.get(r.tool, r.tool):<44} {r.wall_s:>8.2f} {r.tokens_per_s:>10.1f} {ratio:>15} {same:>17}")
+            passes = self.forward_passes.get(r.tool)
+            spread = f"{t.low:.1f}-{t.high:.1f}"
+            lines.append(f"{TOOL_LABELS.get(r.tool, r.tool):<46} {r.wall_s:>6.2f} {t.median:>9.1f} {spread:>13} "
+                         f"{ratio:>14} {passes if passes is not None else '-':>6} {same:>16}")
+        lines.append(f"(medians of {self.rounds} interleaved round{'s' if self.rounds > 1 else ''}; middle half: "
+                     "the 25th to 75th percentile of the rounds)")
         if self.overhead.get("num_steps"):
             o = self.overhead
             lines.append(
@@ -148,13 +185,23 @@ def throughput_benchmark(
     static_batch_size: int = 8,
     engine_kwargs: dict | None = None,
     min_running: int = 32,
+    rounds: int = 1,
 ) -> ThroughputReport:
     """Serve ``workload`` with each tool in ``tools`` (minivllm always runs: it is the
     reference for the greedy-identity check) and compare. ``model`` is an embedded model
-    name or a loaded transformers model."""
+    name or a loaded transformers model.
+
+    Every tool first serves a tiny warm-up workload (not timed), then the workload once
+    per round for ``rounds`` rounds, interleaved: round r runs the tools in their order
+    rotated by r, so a slow minute of a shared machine slows all of them alike. Each
+    result's ``wall_s`` is the median over the rounds; ``report.wall_s`` keeps every round
+    and ``report.timings`` gives tokens/s with their spread. Greedy tokens are compared on
+    the first round (every round serves the same ids)."""
     unknown = set(tools) - set(TOOLS)
     if unknown:
         raise ValueError(f"unknown tools {sorted(unknown)}; choose from {TOOLS}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     workload = list(workload)
     kwargs = {"log_stats_interval": None, **(engine_kwargs or {})}
     engine, baseline, tokenizer = _engine_and_baseline(model, tokenizer, kwargs, tools)
@@ -166,37 +213,71 @@ def throughput_benchmark(
     for w in warm:
         w.request_id = f"warmup-{w.request_id}"
     run_minivllm(engine, warm)
-    engine.trace.clear()
-    results = [run_minivllm(engine, workload)]
+    calls, hook = [0], None
     if baseline is not None:
         baseline.set_attn_implementation("sdpa")
         run_hf_generate(baseline, warm[:1], pad)
-    logger.info("minivllm: %.1f s", results[0].wall_s)
+        # Count the forward passes of the transformers tools: one call of the model per pass.
+        hook = baseline.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+
+    fixed_engines: dict[str, LLMEngine] = {}
 
     def fixed_linear(backend: str) -> ToolResult:
         # The same engine with every linear layer through one library, whatever "auto"
         # measured (minivllm.linear): "torch" is nn.Linear as is, so that row also shows
         # how much of minivllm's lead is scheduling and paging rather than the matmul.
-        fixed = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": backend}), engine.model, tokenizer)
-        run_minivllm(fixed, warm)
-        return replace(run_minivllm(fixed, workload), tool=f"minivllm-{backend}-linear")
+        if backend not in fixed_engines:
+            fixed = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": backend}), engine.model, tokenizer)
+            run_minivllm(fixed, warm)
+            fixed_engines[backend] = fixed
+        fixed = fixed_engines[backend]
+        fixed.trace.clear()
+        fixed.reset_prefix_cache()  # an earlier round's prompts must not be found cached
+        res = replace(run_minivllm(fixed, workload), tool=f"minivllm-{backend}-linear")
+        passes[res.tool] = len(fixed.trace.steps)
+        return res
 
-    others = {
+    def reference() -> ToolResult:
+        engine.trace.clear()
+        engine.reset_prefix_cache()
+        res = run_minivllm(engine, workload)
+        passes["minivllm"] = len(engine.trace.steps)
+        return res
+
+    def counted(tool: str, run) -> ToolResult:
+        calls[0] = 0
+        res = run()
+        passes[tool] = calls[0]
+        return res
+
+    runners = {
+        "minivllm": reference,
         "minivllm-torch-linear": lambda: fixed_linear("torch"),
         "minivllm-onednn-linear": lambda: fixed_linear("onednn"),
         "minivllm-transposed-linear": lambda: fixed_linear("transposed"),
-        "hf-generate": lambda: run_hf_generate(baseline, workload, pad),
-        "hf-static": lambda: run_hf_static(baseline, workload, static_batch_size, pad),
-        "hf-cb": lambda: run_hf_continuous(baseline, workload, pad_token_id=pad,
-                                           max_batch_tokens=engine.config.max_num_batched_tokens),
+        "hf-generate": lambda: counted("hf-generate", lambda: run_hf_generate(baseline, workload, pad)),
+        "hf-static": lambda: counted("hf-static", lambda: run_hf_static(baseline, workload, static_batch_size, pad)),
+        "hf-cb": lambda: counted("hf-cb", lambda: run_hf_continuous(
+            baseline, workload, pad_token_id=pad, max_batch_tokens=engine.config.max_num_batched_tokens)),
     }
-    for tool in tools:
-        if tool != "minivllm":
-            results.append(others[tool]())
-            logger.info("%s: %.1f s", tool, results[-1].wall_s)
+    names = ["minivllm"] + [t for t in tools if t != "minivllm"]
+    passes: dict[str, int] = {}
+    first: dict[str, ToolResult] = {}
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for tool in names[k:] + names[:k]:
+            res = runners[tool]()
+            first.setdefault(tool, res)
+            walls[tool].append(res.wall_s)
+            logger.info("%s, round %d: %.1f s", tool, r + 1, res.wall_s)
+    if hook is not None:
+        hook.remove()
+    results = [replace(first[n], wall_s=float(np.median(walls[n]))) for n in names]
     matches, mismatches = _compare_tokens(workload, results)
     overhead = {**engine_overhead(engine.trace, min_running), "min_running": min_running}
-    return ThroughputReport(summarize(workload), results, matches, mismatches, overhead, _environment(engine))
+    return ThroughputReport(summarize(workload), results, matches, mismatches, overhead, _environment(engine),
+                            {n: tuple(walls[n]) for n in names}, {n: passes[n] for n in names if n in passes})
 
 
 def plot_throughput(report: ThroughputReport, ax=None):
@@ -211,14 +292,19 @@ def plot_throughput(report: ThroughputReport, ax=None):
     base = report.result("hf-generate")
     y = np.arange(len(res))
     colors = ["tab:green" if r.tool.startswith("minivllm") else "tab:gray" for r in res]
-    ax.barh(y, [r.tokens_per_s for r in res], color=colors)
+    t = report.timings  # medians of the rounds (with one round: that round)
+    val = [t[r.tool].median for r in res]
+    xerr = None
+    if report.rounds > 1:  # the middle half of the rounds around each median
+        xerr = [[v - t[r.tool].low for v, r in zip(val, res)], [t[r.tool].high - v for v, r in zip(val, res)]]
+    ax.barh(y, val, color=colors, xerr=xerr, capsize=3)
     ax.set_yticks(y, [TOOL_LABELS.get(r.tool, r.tool) for r in res], fontsize=8)
-    for yi, r in zip(y, res):
-        note = f" {r.tokens_per_s:.0f} tok/s"
+    for yi, v, r in zip(y, val, res):
+        note = f" {v:.0f} tok/s"
         if base:
-            note += f" ({r.tokens_per_s / base.tokens_per_s:.1f}x)"
-        ax.text(r.tokens_per_s, yi, note, va="center", fontsize=8)
-    ax.set_xlim(0, max(r.tokens_per_s for r in res) * 1.35)
+            note += f" ({v / t[base.tool].median:.1f}x)"
+        ax.text(t[r.tool].high if xerr else v, yi, note, va="center", fontsize=8)
+    ax.set_xlim(0, max(t[r.tool].high for r in res) * 1.35)
     w = report.workload
     ax.set_xlabel("output tokens / s (higher is better)")
     ax.set_title(f"{w['num_requests']} chat requests, {w['prompt_tokens']} prompt + "
@@ -233,7 +319,8 @@ def main(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.model)
     workload = chat_workload(tok, n, args.seed)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    report = throughput_benchmark(workload, args.model, tok, tools, engine_kwargs=engine_settings(args))
+    report = throughput_benchmark(workload, args.model, tok, tools, engine_kwargs=engine_settings(args),
+                                  rounds=ROUNDS)
     w = report.workload
     print(f"workload: chat_workload(n={n}, seed={args.seed}): prompts {w['min_prompt']}-{w['max_prompt']} "
           f"tokens ({w['prompt_tokens']} in all), outputs {w['min_output']}-{w['max_output']} "
@@ -241,6 +328,10 @@ def main(args: argparse.Namespace) -> int:
           f"{report.environment['torch_threads']}; minivllm's linear_backend='auto' chose: "
           f"{report.environment['linear_backend']}")
     print(report.table())
+    timings = report.timings
+    for tool in timings:
+        if tool != "minivllm":
+            print(compare(timings["minivllm"], timings[tool]).verdict)
     for tool, diffs in report.first_mismatch.items():
         if diffs:
             print(f"{tool}: {len(diffs)} requests differ from minivllm; first differing positions: {diffs}")
