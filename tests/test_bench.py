@@ -210,6 +210,8 @@ def test_prefix_caching_benchmark_saves_prefill_work(tiny):
     # Every request after the first finds the 32 shared tokens (4 full blocks) cached.
     assert on["prompt tokens computed"] <= on["prompt tokens"] - 5 * 32
     assert on["hit rate"] > 0 and on["same outputs"] and off["same outputs"]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        prefix_caching_benchmark(w, tiny, None, dict(block_size=8, device="cpu"), rounds=0)
 
 
 def test_speculative_benchmark_rows_keep_the_tokens():

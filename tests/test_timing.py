@@ -5,7 +5,7 @@ words, never the speed of this machine."""
 
 import pytest
 
-from minivllm.bench.timing import Timing, compare, measure, table
+from minivllm.bench.timing import Timing, compare, measure, rotated, table
 
 
 class FakeClock:
@@ -76,3 +76,7 @@ def test_table_lists_every_timing_with_its_ratio():
     lines = text.splitlines()
     assert len(lines) == 3 and "vs base" in lines[0]
     assert lines[1].rstrip().endswith("1.00x") and lines[2].rstrip().endswith("0.50x")
+
+
+def test_rotated_starts_each_round_one_further():
+    assert [rotated("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in the workload (default 32; simulate: 10000; simulate-cluster: 2000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="prefix: interleaved rounds of each setting (median and middle half reported)")
+                        help="throughput, prefix, linear: interleaved rounds of each variant (median and "
+                             "middle half reported)")
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     parser.add_argument("--rates", default="0.25,0.5,1,2", help="latency: request rates (req/s)")
     parser.add_argument("--simulated", action="store_true", help="latency: use the simulator, not the model")

@@ -66,8 +66,9 @@ def main(args: argparse.Namespace) -> int:
     from minivllm.model_loader import load_model
 
     model, _ = load_model(args.model)
-    print("every decoder linear layer once, weights from memory (3 interleaved rounds after a warm-up), ms:")
-    for r in linear_benchmark(model):
+    print(f"every decoder linear layer once, weights from memory ({args.rounds} interleaved rounds after a "
+          "warm-up), ms:")
+    for r in linear_benchmark(model, repeats=args.rounds):
         print(f"{r['rows']} rows x {r['layers']} layers:")
         print(table([t.scaled(1e3, "ms") for t in r["timings"].values()], baseline="torch"))
         print(f"fastest {r['fastest']}, {r['speed-up']:.2f}x nn.Linear; {r['verdict']}")

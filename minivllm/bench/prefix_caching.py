@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from minivllm.bench.common import engine_settings
-from minivllm.bench.timing import Timing, compare
+from minivllm.bench.timing import Timing, compare, rotated
 from minivllm.bench.tools import run_minivllm
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
@@ -29,13 +29,15 @@ def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokeniz
     (the same in every round: they are counts), and the wall-clock figures as
     :class:`~minivllm.bench.timing.Timing` over the rounds (mean TTFT, output tokens/s).
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     settings = (True, False)
     counts: dict[bool, dict] = {}
     ttft: dict[bool, list[float]] = {c: [] for c in settings}
     rates: dict[bool, list[float]] = {c: [] for c in settings}
     first = None
     for r in range(rounds):
-        for caching in (settings if r % 2 == 0 else settings[::-1]):
+        for caching in rotated(settings, r):
             cfg = EngineConfig(log_stats_interval=None, enable_prefix_caching=caching, **(engine_kwargs or {}))
             engine = LLMEngine(cfg, model, tokenizer)
             res = run_minivllm(engine, workload)

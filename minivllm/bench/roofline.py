@@ -214,8 +214,8 @@ def step_points(engine: LLMEngine, cost: ModelCost, prefill: int = 512, decode_b
     ``repeats``), and decode steps of each batch size with every sequence ``context``
     tokens long (the fastest of ``decode_steps`` steps in which exactly that many
     sequences decode and nothing else runs). Each point keeps every such step's duration
-    in ``samples``, so a lesson can print the spread beside the fastest. Prompts are random token ids, never repeated,
-    so the prefix cache cannot shorten the work."""
+    in ``samples``, so a lesson can print the spread beside the fastest. Prompts are random
+    token ids, never repeated, so the prefix cache cannot shorten the work."""
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
-from minivllm.bench.timing import Timing, compare
+from minivllm.bench.timing import Timing, compare, rotated
 from minivllm.bench.tools import (
     TOOL_LABELS,
     TOOLS,
@@ -43,10 +43,6 @@ from minivllm.trace import Trace
 from minivllm.workload import WorkloadRequest, chat_workload, make_workload, summarize
 
 logger = logging.getLogger("minivllm")
-
-ROUNDS = 3
-"""Rounds ``minivllm bench throughput`` runs (interleaved; each round serves the whole workload)."""
-
 
 def engine_overhead(trace: Trace, min_running: int = 32) -> dict[str, float]:
     """Share of step time spent outside the model forward (and sampler), over the steps
@@ -193,7 +189,7 @@ def throughput_benchmark(
 
     Every tool first serves a tiny warm-up workload (not timed), then the workload once
     per round for ``rounds`` rounds, interleaved: round r runs the tools in their order
-    rotated by r, so a slow minute of a shared machine slows all of them alike. Each
+    rotated by r (:func:`~minivllm.bench.timing.rotated`), so a slow minute of a shared machine slows all of them alike. Each
     result's ``wall_s`` is the median over the rounds; ``report.wall_s`` keeps every round
     and ``report.timings`` gives tokens/s with their spread. Greedy tokens are compared on
     the first round (every round serves the same ids)."""
@@ -265,8 +261,7 @@ def throughput_benchmark(
     first: dict[str, ToolResult] = {}
     walls: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        k = r % len(names)
-        for tool in names[k:] + names[:k]:
+        for tool in rotated(names, r):
             res = runners[tool]()
             first.setdefault(tool, res)
             walls[tool].append(res.wall_s)
@@ -320,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
     workload = chat_workload(tok, n, args.seed)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     report = throughput_benchmark(workload, args.model, tok, tools, engine_kwargs=engine_settings(args),
-                                  rounds=ROUNDS)
+                                  rounds=args.rounds)
     w = report.workload
     print(f"workload: chat_workload(n={n}, seed={args.seed}): prompts {w['min_prompt']}-{w['max_prompt']} "
           f"tokens ({w['prompt_tokens']} in all), outputs {w['min_output']}-{w['max_output']} "

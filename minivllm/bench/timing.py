@@ -76,12 +76,18 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
 
 
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: ``names`` rotated by it (A B C, then B C A, ...),
+    so that no variant always runs first or right after the same neighbour."""
+    k = round_index % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
 def measure(variants: Mapping[str, Callable[[], object]], rounds: int = 5, warmup: int = 1,
             clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
     """Time each variant once per round, interleaved, ``warmup`` + ``rounds`` rounds.
 
-    Within a round the order rotates (A B C, then B C A, ...) so that no variant always
-    runs right after the same neighbour. Returns one :class:`Timing` per variant, in
+    Within a round the order rotates (:func:`rotated`). Returns one :class:`Timing` per variant, in
     seconds, the warm-up rounds left out.
     """
     if rounds < 1 or warmup < 0:
@@ -89,8 +95,7 @@ def measure(variants: Mapping[str, Callable[[], object]], rounds: int = 5, warmu
     names = list(variants)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(warmup + rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
+        for name in rotated(names, r):
             t0 = clock()
             variants[name]()
             elapsed = clock() - t0
