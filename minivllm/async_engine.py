@@ -353,3 +353,8 @@ class AsyncLLMEngine:
     async def get_metrics(self) -> list:
         """The engine's metric records (``LLMEngine.get_metrics``), read between steps."""
         return await self.call(self.engine.get_metrics)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no request holds (``LLMEngine.reset_prefix_cache``),
+        between steps; False when a running request still holds blocks."""
+        return await self.call(self.engine.reset_prefix_cache)

@@ -350,9 +350,17 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     async def get_metrics(self) -> list:
         """The core's metric records, fetched between two of its steps."""
+        return await self._utility("get_metrics")
+
+    async def reset_prefix_cache(self) -> bool:
+        """The core forgets every cached block no request holds, between two steps."""
+        return await self._utility("reset_prefix_cache")
+
+    async def _utility(self, method: str) -> Any:
+        """Call ``method`` of the core's engine (no arguments) and wait for its result."""
         await self.wait_ready()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        await self._to_core.send(self._encoder.encode(Utility(call_id, "get_metrics")))
+        await self._to_core.send(self._encoder.encode(Utility(call_id, method)))
         return await future

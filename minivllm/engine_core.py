@@ -70,7 +70,8 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class Utility(msgspec.Struct, tag=True):
-    """Call an engine method between steps (``get_metrics``); the answer is a UtilityResult."""
+    """Call an engine method between steps (``get_metrics``, ``reset_prefix_cache``); the
+    answer is a UtilityResult."""
     call_id: int
     method: str
 

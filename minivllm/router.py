@@ -57,7 +57,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -470,13 +470,15 @@ class LocalReplicas:
     """
 
     def __init__(self, n: int, serve_argv: Sequence[str], host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0, log_dir: str | os.PathLike | None = None) -> None:
+                 startup_timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
         """``log_dir``: write replica i's output to ``log_dir/replica-i.log`` instead of this
-        process's terminal (a notebook or benchmark that wants only its own output)."""
+        process's terminal (a notebook or benchmark that wants only its own output).
+        ``env``: variables set for the replicas on top of this process's environment."""
         if n < 1:
             raise ValidationError("data_parallel_size", f"data_parallel_size must be >= 1, got {n}", n)
         self.n, self.serve_argv, self.host, self.startup_timeout = n, list(serve_argv), host, startup_timeout
-        self.log_dir = log_dir
+        self.log_dir, self.env = log_dir, dict(env or {})
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.logs: list[Any] = []
@@ -492,7 +494,8 @@ class LocalReplicas:
                     out = open(os.path.join(self.log_dir, f"replica-{len(self.procs)}.log"), "wb")
                     self.logs.append(out)
                 self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out,
-                                                   stderr=subprocess.STDOUT if out else None))
+                                                   stderr=subprocess.STDOUT if out else None,
+                                                   env={**os.environ, **self.env}))
                 self.urls.append(f"http://{self.host}:{port}")
             self.wait_ready()
         except BaseException:

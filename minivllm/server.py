@@ -38,6 +38,7 @@ In vLLM: ``vllm/entrypoints/openai/api_server.py`` and ``serving_chat.py`` /
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -146,10 +147,26 @@ def build_app(
     app.state.engine = async_engine
     _add_exception_handlers(app)
     _add_routes(app, serving)
+    if dev_mode():
+        # vLLM's development endpoints, off by default as there: anyone who can reach the
+        # server could otherwise empty the cache that every user's requests share.
+        app.post("/reset_prefix_cache", responses={k: _ERRORS[k] for k in (401, 500)} | {409: {
+            "model": ErrorResponse, "description": "a running request still holds cached blocks"}})(
+            serving.reset_prefix_cache)
     handlers = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     app.add_middleware(CountResponses, counts=http_counts, handlers=handlers)  # outermost: counts 401/413 too
     return app
+
+
+def dev_mode() -> bool:
+    """Whether ``VLLM_SERVER_DEV_MODE`` (vLLM's name, e.g. ``VLLM_SERVER_DEV_MODE=1``)
+    turns on the development endpoints (``POST /reset_prefix_cache``)."""
+    value = os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValidationError("VLLM_SERVER_DEV_MODE", f"VLLM_SERVER_DEV_MODE must be 0 or 1, "
+                              f"got {value!r}", value)
+    return value == "1"
 
 
 def _check_options(api_key: str | None, max_request_bytes: int | None) -> None:

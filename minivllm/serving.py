@@ -178,6 +178,17 @@ class OpenAIServing:
         return JSONResponse({"status": "ok", "num_requests_running": self.engine.num_running,
                              "num_requests_waiting": self.engine.num_queued})
 
+    async def reset_prefix_cache(self) -> Response:
+        """``POST /reset_prefix_cache`` (a development endpoint, as in vLLM): forget every
+        cached block, so that the next requests start from a cold cache (a benchmark
+        that compares policies on the same server). Refused while requests hold blocks."""
+        if self.engine.error is not None:
+            return APIError(500, f"the engine failed: {self.engine.error!r}", "server_error").response()
+        if not await self.engine.reset_prefix_cache():
+            return APIError(409, "requests are running and hold cached blocks: the prefix cache "
+                            "was not reset; retry when they have finished", "conflict").response()
+        return Response(status_code=200)
+
     async def metrics(self) -> Response:
         records = await self.engine.get_metrics() if self.engine.error is None else []
         records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})

@@ -60,15 +60,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     parametrized test may carry one on the test and one on each parameter, and
     `checks()` naming no piece keeps that parameter out of every check."""
     piece = config.getoption("piece")
-    if piece is None:
-        return
-    keep, drop = [], []
-    for item in items:
-        marks = list(item.iter_markers("checks"))
-        (keep if marks and all(piece in m.args for m in marks) else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    if piece is not None:
+        keep, drop = [], []
+        for item in items:
+            marks = list(item.iter_markers("checks"))
+            (keep if marks and all(piece in m.args for m in marks) else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+    items.sort(key=_long_runs_first(items))
+
+
+# Marks that tell a module (or a notebook) takes minutes rather than seconds.
+_LONG = ("wheelhouse", "multiprocess", "real_model", "docs", "browser")
+
+
+def _long_runs_first(items: list[pytest.Item]):
+    """Sort key that puts the long test files first, keeping each file's tests in order.
+
+    `make test` hands whole files to its two workers (--dist loadscope) in this order, and
+    a worker that draws a four-minute file last runs on alone while the other has nothing
+    left to do. Longest first: the file that builds a wheelhouse, then the notebooks, then
+    the files marked as starting processes or loading the real model, then the rest."""
+    def files_marked(*names: str) -> set:
+        return {item.path for item in items if any(item.get_closest_marker(m) for m in names)}
+
+    wheelhouse, long_files = files_marked("wheelhouse"), files_marked(*_LONG)
+
+    def rank(item: pytest.Item) -> int:
+        if item.path in wheelhouse:
+            return 0
+        if item.path.suffix == ".ipynb":
+            return 1
+        return 2 if item.path in long_files else 3
+
+    return rank
 
 
 @pytest.fixture(scope="session")

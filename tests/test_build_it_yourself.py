@@ -104,6 +104,7 @@ def test_a_wrong_implementation_fails(piece):
 
 # The command itself: its exit status and output, in a fresh interpreter.
 
+@pytest.mark.multiprocess
 def test_the_command_passes_the_engines_sampler_and_fails_the_stub():
     ok = check("sampler", "minivllm.sampler:Sampler")
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -115,6 +116,7 @@ def test_the_command_passes_the_engines_sampler_and_fails_the_stub():
     assert "Traceback" not in stub.stdout + stub.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_class_that_cannot_be_loaded_is_refused_with_status_2():
     result = check("block_pool", "build_it_yourself/no_such_file.py:MyBlockPool")
     assert result.returncode == 2 and "cannot be loaded" in result.stdout, result.stdout

@@ -82,7 +82,9 @@ def offline() -> dict:
 
 @pytest.fixture(scope="module")
 def split(offline):
-    app = build_app(**ENGINE)
+    with pytest.MonkeyPatch.context() as mp:  # the development endpoints too (reset_prefix_cache)
+        mp.setenv("VLLM_SERVER_DEV_MODE", "1")
+        app = build_app(**ENGINE)
     assert isinstance(app.state.engine, AsyncMPEngine)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
         seen = wait_healthy(client)
@@ -135,6 +137,29 @@ def test_disconnect_aborts_in_the_core_and_frees_blocks(split, offline):
     assert successes(after, "abort") == successes(before, "abort") + 1
     r = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
     assert r.json()["choices"][0]["text"] == offline["many"][0].text
+
+
+def test_reset_prefix_cache_reaches_the_core(split):
+    """POST /reset_prefix_cache empties the core's cache: the same prompt found its blocks
+    before, finds none after; refused (409) while a request holds blocks."""
+    _, client = split
+    body = {"prompt": COPY, "max_tokens": 2, "temperature": 0}
+
+    def hits_of_one_request() -> float:
+        before = scrape(client)[("minivllm:prefix_cache_hits_total", ())]
+        assert client.post("/v1/completions", json=body).status_code == 200
+        return wait_until_idle(client)[("minivllm:prefix_cache_hits_total", ())] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() > 0, "a repeated prompt found nothing cached"
+    assert client.post("/reset_prefix_cache").status_code == 200
+    assert hits_of_one_request() == 0, "the cache was not emptied"
+    long = {"prompt": PROMPTS[2], "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    with client.stream("POST", "/v1/completions", json=long) as r:
+        lines = r.iter_lines()
+        assert len([line for line in (next(lines) for _ in range(4)) if line]) >= 2  # decoding
+        busy = client.post("/reset_prefix_cache")
+    assert busy.status_code == 409 and "not reset" in busy.json()["error"]["message"], busy.text
 
 
 def test_bad_input_is_refused_before_the_core(split):

@@ -235,3 +235,40 @@ def test_random_shared_prefix_workloads_keep_ref_counts_exact(components, block_
     assert pool.get_num_free_blocks() == num_blocks
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert all(b.block_id in pool.free_block_queue for b in pool.cached_blocks.values())
+
+
+def test_reset_prefix_cache_is_a_development_endpoint(monkeypatch):
+    """Off unless VLLM_SERVER_DEV_MODE=1, as in vLLM (anyone could empty the cache every
+    user shares); on, it empties the cache of the engine on the server's thread."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from prometheus_client.parser import text_string_to_metric_families
+    from tiny_chat import tiny_chat_llm
+
+    from minivllm.exceptions import ValidationError
+    from minivllm.server import ServerThread, build_app
+
+    llm = tiny_chat_llm()
+    body = {"prompt": list(range(100, 140)), "max_tokens": 2, "ignore_eos": True}  # 2 full blocks
+
+    def hits_of_one_request(url: str) -> float:
+        def hits() -> float:
+            text = httpx.get(url + "/metrics").text
+            return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                        if s.name == "minivllm:prefix_cache_hits_total")
+        before = hits()
+        httpx.post(url + "/v1/completions", json=body, timeout=60).raise_for_status()
+        return hits() - before
+
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    with ServerThread(build_app(llm)) as s:
+        assert httpx.post(s.url + "/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "yes")
+    with pytest.raises(ValidationError, match="VLLM_SERVER_DEV_MODE must be 0 or 1"):
+        build_app(llm)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with ServerThread(build_app(llm)) as s:
+        hits_of_one_request(s.url)
+        assert hits_of_one_request(s.url) == 32, "the repeated prompt's two blocks were not found"
+        assert httpx.post(s.url + "/reset_prefix_cache").status_code == 200
+        assert hits_of_one_request(s.url) == 0, "the cache was not emptied"

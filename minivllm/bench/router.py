@@ -5,7 +5,9 @@ engine and prefix cache, one CPU thread each) and the router of :mod:`minivllm.r
 front of them, and sends :func:`~minivllm.workload.document_workload` through it: groups
 of questions over a shared long document, interleaved, as completions of token ids (the
 chat template already applied), greedy with ``ignore_eos``. It does so once per routing
-policy, on fresh replicas each time, so every policy starts with cold caches. A closed
+policy, on the same replicas, emptying their prefix caches before each policy
+(``POST /reset_prefix_cache``, vLLM's development endpoint): every policy starts with
+cold caches, and the replicas load the model once. A closed
 loop of ``--router-concurrency`` clients sends the requests in the workload's order.
 
 Per policy: the prefix-cache hit rate (prompt tokens whose KV came from the cache, over
@@ -74,8 +76,10 @@ def _prefix_counts(url: str) -> tuple[float, float]:
 def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
                      policies: Sequence[str] = ROUTING_POLICIES, num_replicas: int = 2,
                      concurrency: int = 4, serve_argv: Sequence[str] = (), block_size: int = 16) -> list[dict]:
-    """One row per policy; each policy on ``num_replicas`` fresh replica processes of
-    ``model`` (``serve_argv``: more ``minivllm serve`` flags)."""
+    """One row per policy, all on the same ``num_replicas`` replica processes of ``model``
+    (``serve_argv``: more ``minivllm serve`` flags), whose prefix caches are emptied
+    (``POST /reset_prefix_cache``) before each policy: every policy starts cold, and the
+    replicas load the model once."""
     import httpx
 
     from minivllm.router import LocalReplicas, build_router_app
@@ -84,10 +88,13 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
     rows, first = [], None
     argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
             str(block_size), "--uvicorn-log-level", "warning", *serve_argv]
-    for policy in policies:
-        with tempfile.TemporaryDirectory() as logs, LocalReplicas(num_replicas, argv, log_dir=logs) as local:
-            for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
-                httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
+    with tempfile.TemporaryDirectory() as logs, \
+            LocalReplicas(num_replicas, argv, log_dir=logs, env={"VLLM_SERVER_DEV_MODE": "1"}) as local:
+        for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
+            httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
+        for policy in policies:
+            for url in local.urls:
+                httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
             before = [_prefix_counts(u) for u in local.urls]
             app = build_router_app(local.urls, policy, model=model, block_size=block_size)
             with ServerThread(app) as rt:
@@ -96,15 +103,15 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
                     results, span = pool.submit(asyncio.run, _drive(rt.url, workload, concurrency)).result()
             after = [_prefix_counts(u) for u in local.urls]
             served = app.state.router.stats.requests
-        hits = sum(a[0] - b[0] for a, b in zip(after, before))
-        queries = sum(a[1] - b[1] for a, b in zip(after, before))
-        texts = {rid: r[1] for rid, r in results.items()}
-        first = first or texts
-        rows.append({"policy": policy, "hit rate": hits / queries if queries else 0.0,
-                     "mean TTFT s": sum(r[0] for r in results.values()) / len(results),
-                     "output tok/s": sum(r[2] for r in results.values()) / span,
-                     "per replica": "/".join(str(served[u]) for u in local.urls),
-                     "same outputs": texts == first})
+            hits = sum(a[0] - b[0] for a, b in zip(after, before))
+            queries = sum(a[1] - b[1] for a, b in zip(after, before))
+            texts = {rid: r[1] for rid, r in results.items()}
+            first = first or texts
+            rows.append({"policy": policy, "hit rate": hits / queries if queries else 0.0,
+                         "mean TTFT s": sum(r[0] for r in results.values()) / len(results),
+                         "output tok/s": sum(r[2] for r in results.values()) / span,
+                         "per replica": "/".join(str(served[u]) for u in local.urls),
+                         "same outputs": texts == first})
     return rows
 
 
@@ -127,5 +134,5 @@ def main(args: argparse.Namespace) -> int:
     print(f"{len(workload)} requests: {args.num_documents} documents x {args.questions_per_document} "
           f"questions, 2 replicas, {args.router_concurrency} clients")
     print(format_router_table(rows))
-    print(f"wall time, replica start-ups included: {time.perf_counter() - t:.0f} s")
+    print(f"wall time, the replicas' start-up included: {time.perf_counter() - t:.0f} s")
     return 0 if all(r["same outputs"] for r in rows) else 1
