@@ -98,12 +98,14 @@ lab: setup
 # Every notebook runs once under nbval, its stored outputs compared, and then its
 # exercises once more as the learner copy has them (answers blank, solutions removed).
 # pytest-xdist spreads the work over JOBS workers; --dist loadscope keeps each test
-# module, and each notebook's cells, on one worker, in order.
+# module, and each notebook's cells, on one worker, in order, and --no-loadscope-reorder
+# hands the files out in the order tests/conftest.py sorts them (longest first) rather
+# than by their number of tests.
 test: setup
 	$(BIN)/ruff check .
 	rm -rf $(CHECK_DIR)
 	$(BIN)/python -m minivllm.exercises --check notebooks $(CHECK_DIR)
-	$(BIN)/pytest tests $(CHECK_DIR) $(NBVAL) -n $(JOBS) --dist loadscope $(PYTEST_ARGS)
+	$(BIN)/pytest tests $(CHECK_DIR) $(NBVAL) -n $(JOBS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 learner: setup
 	$(BIN)/python -m minivllm.exercises notebooks $(LEARNER_DIR)
