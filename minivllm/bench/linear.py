@@ -1,6 +1,6 @@
 """Linear mode: the model's matrix products through each library ``minivllm.linear`` knows.
 
-``minivllm bench linear`` (notebook 01). Which library is fastest (``nn.Linear``, oneDNN,
+``minivllm bench linear`` (notebook 11). Which library is fastest (``nn.Linear``, oneDNN,
 or ``(W @ x.T).T``) depends on the CPU and on the rows; ``linear_backend="auto"``
 measures it briefly when an engine starts, and this measures it at length on the machine
 in use.

@@ -9,8 +9,8 @@ request at a time: ``max_num_seqs=1``) and with 32 requests at once:
 * chat: the standard chat workload (summarize, explain...), where few are.
 
 Besides fixed k, two rows let the engine turn speculation down by itself under load:
-"4 (off above 4)" is k = 4 with vLLM's ``"disable_by_batch_size": 4`` (no drafts while more
-than 4 requests run), and "auto" chooses up to 8 drafts each step, the length it measured
+"4 (off above 4)" is k = 4 with vLLM V0's ``"disable_by_batch_size": 4`` (no drafts while more
+than 4 requests run; gone from vLLM since V0), and "auto" chooses up to 8 drafts each step, the length it measured
 to give the most tokens per second at that batch size (``"adaptive": True``).
 
 Each row: output tokens per second, mean end-to-end latency, acceptance rate, mean

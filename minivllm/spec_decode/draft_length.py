@@ -23,10 +23,11 @@ default (``"adaptive": True`` turns it on).
 Nothing in it is tuned to one machine; on a GPU, where verifying drafts is nearly free
 at any batch size, the same code keeps k everywhere.
 
-In vLLM: V1 does not adapt the draft length on its own; V0's
-``speculative_disable_by_batch_size`` (kept in ``SpeculativeConfig`` as
-``disable_by_batch_size``, honoured here too) turns speculation off above a fixed
-batch size that the operator has to choose.
+In vLLM: V1 does not adapt the draft length on its own. V0's
+``speculative_disable_by_batch_size`` turned speculation off above a fixed batch size
+that the operator had to choose; V1 never read it, and vLLM deleted it from
+``SpeculativeConfig`` (PR 35060). minivllm's ``SpeculativeConfig`` keeps it as
+``disable_by_batch_size`` (honoured here too), to compare the two rules.
 """
 
 from __future__ import annotations
