@@ -168,6 +168,32 @@ def test_kernels_folder_installs_only_as_minivllm_kernels(tmp_path: Path) -> Non
     assert out[1] != str(ROOT / "kernels"), "kernels/ is importable as a top-level package"
 
 
+def test_kernels_folder_steps_aside_when_started_in_the_repository_root(tmp_path: Path) -> None:
+    """``python -c`` (or ``-m``) started in the repository root puts the root first on
+    sys.path, so ``import kernels`` finds our folder before an installed ``kernels``
+    (transformers >= 5.25 imports Hugging Face's and fails on ours). The folder must hand
+    the name over to the installed package. A stand-in with the name Hugging Face's
+    exports plays it here, so the check does not depend on what pip resolved."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'installed'\n")
+    code = (
+        "import sys\n"
+        "print(sys.path[0] == '')\n"
+        "from kernels import CUDAProperties\n"
+        "import kernels, minivllm.kernels\n"
+        "print(CUDAProperties, kernels.__file__, minivllm.kernels.__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    lines = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert lines[0] == "True", "the repository root (as '') must come first on sys.path"
+    value, origin, ours = lines[1].split()
+    assert value == "installed" and Path(origin) == site / "kernels" / "__init__.py"
+    assert ours == "minivllm.kernels"
+
+
 def readme_section(title: str) -> str:
     text = (ROOT / "README.md").read_text()
     m = re.search(rf"^## {re.escape(title)}\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
