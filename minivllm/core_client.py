@@ -5,7 +5,7 @@ process; this subclass keeps all of its front-end work (streams, tokenizing on a
 bounded waiting, aborts when a client goes) and replaces the thread with a process,
 :mod:`minivllm.engine_core`. What changes:
 
-* **Start.** ``start()`` spawns the core and returns at once; the core loads the model
+* **Start.** ``start()`` starts the core process (``minivllm.system_utils``) and returns at once; the core loads the model
   and answers ``Ready`` with the numbers the server needs to check prompts itself
   (``max_model_len`` depends on the KV cache it sized). Until then ``is_ready`` is
   False (``/health`` answers 503) and new requests wait for it.
@@ -67,6 +67,7 @@ from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
+from minivllm.system_utils import get_mp_context, with_environment
 
 logger = logging.getLogger("minivllm")
 
@@ -144,7 +145,7 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Spawn the engine core and start reading from it; returns before it is ready."""
+        """Start the engine core process and start reading from it; returns before it is ready."""
         if self._task is not None:
             return
         self._wakeup = asyncio.Event()  # unused here, but the base class sets it
@@ -156,10 +157,10 @@ class AsyncMPEngine(AsyncLLMEngine):
         self._to_core.bind(to_core)
         self._from_core = self._context.socket(zmq.PULL)
         self._from_core.bind(from_core)
-        spawn = multiprocessing.get_context("spawn")
-        self._process = spawn.Process(
-            target=run_engine_core, name="minivllm-engine-core", daemon=True,
-            args=(self.config, to_core, from_core, os.getpid(), logger.getEffectiveLevel()))
+        self._process = get_mp_context().Process(
+            target=with_environment, name="minivllm-engine-core", daemon=True,
+            args=(dict(os.environ), run_engine_core, self.config, to_core, from_core,
+                  logger.getEffectiveLevel()))
         self._process.start()
         self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="minivllm-core-reader")
 

@@ -21,8 +21,9 @@ messages that arrived between two steps (adds and aborts), steps, and sends one
 ``StepOutputs`` per step. It never waits on a client: when it has work it only peeks at
 its socket.
 
-Lifecycle. The server starts this process (``spawn``: a fresh interpreter, nothing
-inherited) and is told ``Ready`` once the model is loaded. The process ignores Ctrl-C
+Lifecycle. The server starts this process (``minivllm.system_utils``: a fork of a clean
+server process that has imported torch, nothing of the server's inherited) and is told
+``Ready`` once the model is loaded. The process ignores Ctrl-C
 (the server receives it too and shuts the core down in order, with ``Shutdown``), ends
 on SIGTERM, and ends by itself when its parent has gone, so it never outlives the
 server. A failed step is reported as ``Failed`` before the process exits.
@@ -37,7 +38,6 @@ In vLLM: ``vllm/v1/engine/core.py`` (``EngineCoreProc``) and ``vllm/v1/engine/__
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import signal
 
@@ -48,6 +48,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
+from minivllm.system_utils import parent_alive
 
 logger = logging.getLogger("minivllm")
 
@@ -138,10 +139,9 @@ FromCore = Ready | StepOutputs | UtilityResult | Failed
 class EngineCoreProc:
     """The busy loop: read what arrived, step, send what came out."""
 
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine = engine
         self.inbox, self.outbox = inbox, outbox
-        self.parent_pid = parent_pid
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.encoder = msgspec.msgpack.Encoder()
         self.num_added = 0
@@ -163,7 +163,7 @@ class EngineCoreProc:
             busy = engine.has_unfinished_requests()
             # Idle: block (but wake now and then to see if the parent is gone). Busy: peek.
             if not self.inbox.poll(0 if busy else IDLE_POLL_MS):
-                if os.getppid() != self.parent_pid:
+                if not parent_alive():
                     logger.warning("the server process has gone; the engine core exits")
                     return
                 if not busy:
@@ -228,7 +228,7 @@ def compact(position: dict) -> tuple[list[int], list[float], list[int]]:
 
 
 def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: str,
-                    parent_pid: int, log_level: int) -> None:
+                    log_level: int) -> None:
     """The engine core process's main function (the target of ``Process``)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the server shuts us down in order
@@ -239,7 +239,7 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (Failed) leave before exit
     encoder = msgspec.msgpack.Encoder()
     try:
-        core = EngineCoreProc(LLMEngine(config), inbox, outbox, parent_pid)
+        core = EngineCoreProc(LLMEngine(config), inbox, outbox)
         core.run()
     except BaseException as e:
         logger.exception("the engine core failed")

@@ -225,9 +225,14 @@ def test_killed_core_gives_clear_errors_and_health_500(offline):
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
 
 
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def serve_in_a_process() -> tuple[subprocess.Popen, list[int], str]:
-    """``minivllm serve`` as a user runs it; returns it, its child processes (the engine
-    core, and multiprocessing's resource tracker) and its url."""
+    """``minivllm serve`` as a user runs it; returns it, the processes under it (the engine
+    core, multiprocessing's fork server whose child the core is, where there is one, and
+    its resource tracker) and its url."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -244,14 +249,18 @@ def serve_in_a_process() -> tuple[subprocess.Popen, list[int], str]:
             except httpx.TransportError:
                 pass
             time.sleep(0.2)
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        cores = [c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+        children, cores = [], []
+        for c in children_of(proc.pid):
+            cmdline = Path(f"/proc/{c}/cmdline").read_text()
+            forked = children_of(c) if "forkserver" in cmdline else []
+            cores += forked + ([c] if "spawn_main" in cmdline else [])
+            children += [c, *forked]
         assert len(cores) == 1, "no engine core process"
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc, [int(c) for c in children], url
+    return proc, children, url
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])

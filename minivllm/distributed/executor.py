@@ -19,7 +19,7 @@ buffer, ``vllm/distributed/device_communicators/shm_broadcast.py``, and each wor
 its own copy of the request states; a pipe per worker is enough here.)
 
 **How the weights reach the workers.** The model object itself is handed to each
-worker as an argument of the ``spawn``-ed process: ``torch.multiprocessing`` pickles a
+worker as an argument of its process (``minivllm.system_utils``): torch pickles a
 CPU tensor as a handle to shared memory, not as bytes, so the full weights are not
 copied; each worker then keeps only its own slices (``shard_model``) and lets go of the
 rest. This works for a checkpoint and for a model made in memory (``make_tiny_model``)
@@ -57,7 +57,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-import torch.multiprocessing as torch_mp
 from torch import nn
 
 from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
@@ -69,6 +68,7 @@ from minivllm.distributed.parallel_state import (
 )
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size, shard_model
 from minivllm.linear import LinearPlan, planned_linear
+from minivllm.system_utils import get_mp_context, parent_alive, with_environment
 
 logger = logging.getLogger("minivllm")
 
@@ -114,7 +114,6 @@ class WorkerArgs:
     num_layers: int
     dtype: torch.dtype
     linear_plan: LinearPlan
-    parent_pid: int
     num_threads: int
 
 
@@ -127,9 +126,14 @@ def step_message(metadata: AttentionMetadata, input_ids: torch.Tensor,
     return message
 
 
-def worker_main(args: WorkerArgs, conn) -> None:
-    """A worker process's main function: join the group, shard, then run steps."""
+def worker_main(conn) -> None:
+    """A worker process's main function: get its :class:`WorkerArgs`, join the group,
+    shard, then run steps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: rank 0 shuts us down
+    try:
+        args: WorkerArgs = conn.recv()
+    except (EOFError, OSError):
+        return  # rank 0 went before sending them
     torch.set_num_threads(args.num_threads)
     try:
         device = torch.device(args.device_type, args.rank) if args.device_type == "cuda" else torch.device("cpu")
@@ -156,7 +160,7 @@ def worker_main(args: WorkerArgs, conn) -> None:
     while True:
         try:
             if not conn.poll(POLL_S):
-                if os.getppid() != args.parent_pid:
+                if not parent_alive():
                     return  # the engine's process has gone
                 continue
             message = conn.recv()
@@ -231,7 +235,7 @@ class MultiprocExecutor:
         """The last steps' :class:`StepTiming`, in order (also in the step trace)."""
         self.closed = False
         store = self._store = open_store(t)
-        ctx = torch_mp.get_context("spawn")
+        ctx = get_mp_context()
         if multiprocessing.current_process().daemon:
             # The engine core of `minivllm serve` is a daemon process, and Python refuses
             # children to daemons (their exit would orphan them). Ours end by themselves
@@ -244,15 +248,19 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.conns)
         for rank in range(1, t):
             parent_conn, child_conn = ctx.Pipe()
-            args = WorkerArgs(rank, t, store.port, cpu_model, device.type, attention_backend,
-                              kv_cache_shape, num_layers, dtype, linear_plan, os.getpid(), threads)
-            p = ctx.Process(target=worker_main, args=(args, child_conn),
+            p = ctx.Process(target=with_environment, args=(dict(os.environ), worker_main, child_conn),
                             name=f"minivllm-tp-worker-{rank}", daemon=False)
-            p.start()  # pickles the arguments now: the model may be changed after this
+            p.start()
             child_conn.close()
             self.processes.append(p)
             self.conns.append(parent_conn)
         try:
+            # The arguments go down each worker's pipe rather than with the start: the model
+            # is one shared-memory handle per tensor, hundreds of them, more than a fork
+            # server passes along with a start (256). Pickled now: the model may change after.
+            for rank, conn in enumerate(self.conns, start=1):
+                conn.send(WorkerArgs(rank, t, store.port, cpu_model, device.type, attention_backend,
+                                     kv_cache_shape, num_layers, dtype, linear_plan, threads))
             self._wait_all("loaded", STARTUP_TIMEOUT_S)
             self.group = init_tensor_parallel_group(store, 0, t, device)
             self.sharded = shard_model(model, self.group)

@@ -29,11 +29,14 @@ synchronizations, which costs a little overlap but measures what it says.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from minivllm.system_utils import get_mp_context, with_environment
 
 HOST = "127.0.0.1"
 """All ranks are on this machine (the design carries to several: give the store's host)."""
@@ -123,11 +126,10 @@ def measure_all_reduce(world_size: int, numel: int, iters: int = 200) -> float:
     processes doing nothing else: the transport's own cost (gloo over loopback). In a
     real step an all-reduce also waits for the slowest rank to arrive; the difference
     between the two is that waiting."""
-    import torch.multiprocessing as torch_mp
-
     store = open_store(world_size)
-    ctx = torch_mp.get_context("spawn")
-    workers = [ctx.Process(target=_latency_worker, args=(r, world_size, store.port, numel, iters))
+    ctx = get_mp_context()
+    workers = [ctx.Process(target=with_environment,
+                           args=(dict(os.environ), _latency_worker, r, world_size, store.port, numel, iters))
                for r in range(1, world_size)]
     for w in workers:
         w.start()

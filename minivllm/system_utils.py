@@ -1,0 +1,74 @@
+"""How minivllm starts its own processes: the engine core, tensor-parallel workers.
+
+A new Python process pays for its imports before it runs a line of ours: torch and
+transformers' model code take about 8 s of CPU on a laptop core. Python offers three ways
+to start a process (``multiprocessing``'s *start methods*):
+
+* ``spawn``: a fresh interpreter each time. Nothing is inherited, so it is always safe,
+  and every process pays the 8 s again.
+* ``fork``: a copy of the parent as it is, model, KV cache, threads and all. Instant, but
+  unsafe once the parent runs threads (an asyncio server, torch's thread pool): a lock
+  held by another thread at the moment of the copy stays held forever in the child.
+* ``forkserver``: a *server* process is spawned once and imports what we list (torch and
+  transformers' model code), nothing else; every later process is a fork of that clean
+  server. No state of ours is copied, and the imports are already done: a start costs
+  tens of milliseconds instead of seconds.
+
+We use ``forkserver`` where the platform has it (Linux, macOS) and ``spawn`` elsewhere
+(Windows). Two things a fork of the server does not get from us, and the helpers here
+restore: the environment as it is *now* (the server copied ours when it started), see
+:func:`with_environment`; and a way to notice that we have gone (the child's parent is
+the server, so ``os.getppid()`` says nothing about us), see :func:`parent_alive`.
+
+Both methods re-import the script that started them (as ``__mp_main__``): a script that
+starts an engine core needs the usual ``if __name__ == "__main__":`` guard.
+
+In vLLM: ``get_mp_context()`` in ``vllm/utils/system_utils.py`` (``fork`` by default,
+``spawn`` once CUDA is initialised, set by ``VLLM_WORKER_MULTIPROC_METHOD``), and the
+trade-offs in vLLM's ``docs/design/multiprocessing.md``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+
+PRELOAD = ("torch", "transformers.modeling_utils")
+"""What the fork server imports once: the libraries, not minivllm itself (so a child
+always runs the package as it is on disk when the child starts)."""
+
+
+def get_mp_context() -> BaseContext:
+    """``forkserver`` (preloading :data:`PRELOAD`) where available, else ``spawn``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def with_environment(environ: dict[str, str], target: Callable, *args) -> object:
+    """A child's entry point: make ``os.environ`` the parent's (``environ``, taken when the
+    child was started) and call ``target(*args)``. Start a process with
+    ``ctx.Process(target=with_environment, args=(dict(os.environ), main, ...))``.
+
+    torch read ``OMP_NUM_THREADS`` when the server imported it, so a value given since is
+    applied here."""
+    os.environ.clear()
+    os.environ.update(environ)
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    return target(*args)
+
+
+def parent_alive() -> bool:
+    """True while the process that started this one runs. ``multiprocessing`` keeps a
+    pipe end open in the parent for each child it starts; it closes when the parent
+    exits, however it exits (``spawn`` and ``forkserver`` alike)."""
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
