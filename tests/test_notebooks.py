@@ -263,3 +263,37 @@ def test_no_wall_clock_assertion(path):
     found = [f"cell {i}: {line}" for i, c in enumerate(load(path)["cells"])
              if c["cell_type"] == "code" for line in wall_clock_asserts(source(c))]
     assert not found, "wall-clock assertions:\n" + "\n".join(found)
+
+
+LISTING = re.compile(r"^print\(inspect\.getsource\(([\w.]+)\)\)$")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_stored_listings_are_the_code_as_it_is(path):
+    """A cell that prints the source of the package's own code (``print(inspect.getsource(
+    Scheduler.schedule))``) shows a reader without a kernel its stored output: that output
+    must be today's code, not the code of when the notebook was last executed."""
+    import importlib
+    import inspect
+
+    nb = load(path)
+    imported = {}  # name -> module, from the notebook's own `from minivllm... import ...`
+    for c in code_cells(nb):
+        try:
+            tree = ast.parse(source(c))
+        except SyntaxError:  # IPython magics
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minivllm"):
+                imported.update({a.asname or a.name: node.module for a in node.names})
+    for i, c in enumerate(nb["cells"]):
+        m = LISTING.match(source(c).strip()) if c["cell_type"] == "code" else None
+        if not m or m[1].split(".")[0] not in imported:
+            continue
+        head, *rest = m[1].split(".")
+        obj = getattr(importlib.import_module(imported[head]), head)
+        for attr in rest:
+            obj = getattr(obj, attr)
+        stored = "".join("".join(o.get("text", "")) for o in c["outputs"] if o["output_type"] == "stream")
+        assert stored.strip() == inspect.getsource(obj).strip(), (
+            f"cell {i}: the stored listing of {m[1]} is not the code as it is: execute {path.name} again")
