@@ -20,7 +20,7 @@ _EXPORTS = {
     "LLMEngine": "minivllm.engine",
     "EngineConfig": "minivllm.config",
     "SamplingParams": "minivllm.sampling_params",
-    "GuidedDecodingParams": "minivllm.guided_decoding",
+    "StructuredOutputsParams": "minivllm.structured_output",
     "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
 }

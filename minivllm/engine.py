@@ -39,7 +39,6 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.distributed.executor import MultiprocExecutor, StepTiming
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
-from minivllm.guided_decoding import GrammarCompiler, GrammarState, GuidedDecodingParams
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.logprobs import to_dict
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
@@ -58,6 +57,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.draft_length import AdaptiveDraftLength
 from minivllm.spec_decode.metrics import SpecDecodingStats
 from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
 
 logger = logging.getLogger("minivllm")
@@ -182,7 +182,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         """Per-request output text and stop strings (the scheduler sees token ids only)."""
         self._grammar_compiler: GrammarCompiler | None = None
-        """Structured output's compiler (and its cache), made at the first guided request."""
+        """Structured output's compiler (and its cache), made at the first request that asks for one."""
         self._logprob_outputs: dict[str, tuple[list, list | None]] = {}
         """Per request with logprobs or prompt_logprobs: its entries as vLLM's dicts so far
         (sample, prompt), decoded once each, not again at every step."""
@@ -248,8 +248,8 @@ class LLMEngine:
         arrival_time = check_float("arrival_time", arrival_time, optional=True)
         prompt = self.processor.process_prompt(prompt)
         self.processor.check_request(prompt, params)
-        if params.guided_decoding is not None:  # a grammar that cannot compile is refused
-            self._new_grammar_state(params.guided_decoding)  # before anything is queued (cached)
+        if params.structured_outputs is not None:  # a grammar that cannot compile is refused
+            self._new_grammar_state(params.structured_outputs)  # before anything is queued (cached)
         if parent is not None:
             self._parents.add(parent)
             return [self._add_checked(cid, prompt, p, arrival_time, priority)
@@ -262,26 +262,26 @@ class LLMEngine:
         ids = prompt.prompt_token_ids
         request = Request(request_id, ids, params, self.clock() if arrival_time is None else arrival_time,
                           self.eos_token_id, prompt.prompt, priority)
-        if params.guided_decoding is not None:
-            request.grammar = self._new_grammar_state(params.guided_decoding)
+        if params.structured_outputs is not None:
+            request.grammar = self._new_grammar_state(params.structured_outputs)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                                 params.min_tokens)
         self.scheduler.add_request(request)
         self.trace.requests[request_id] = request.metrics
         return request
 
-    def _new_grammar_state(self, guided: GuidedDecodingParams) -> GrammarState:
-        """A matcher for a new request with structured output (``minivllm.guided_decoding``),
+    def _new_grammar_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A matcher for a new request with structured output (``minivllm.structured_output``),
         compiled for this engine's tokenizer and the model's vocabulary (once per grammar:
         the compiler caches). The end-of-sequence token is the engine's own."""
         if self.tokenizer is None:
-            raise ValidationError("guided_decoding", "guided decoding needs the engine's "
+            raise ValidationError("structured_outputs", "structured output needs the engine's "
                                   "tokenizer (the grammar is over text), and this engine has none",
-                                  guided.kind)
+                                  params.kind)
         if self._grammar_compiler is None:
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
                                                      self.eos_token_id)
-        return self._grammar_compiler.new_state(guided)
+        return self._grammar_compiler.new_state(params)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Abort unfinished requests. Each one's final output (finish_reason "abort") is

@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from minivllm.chat_utils import ROLES
 from minivllm.exceptions import ValidationError, check_int
-from minivllm.guided_decoding import GuidedDecodingParams
 from minivllm.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
@@ -40,6 +39,7 @@ from minivllm.sampling_params import (
     SEED_MIN,
     SamplingParams,
 )
+from minivllm.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger("minivllm")
 
@@ -90,16 +90,41 @@ class JSONSchemaFormat(APIModel):
 
 class ResponseFormat(APIModel):
     """OpenAI's ``response_format``: plain text (the default), any JSON object, or JSON
-    that follows a schema (structured output, ``minivllm.guided_decoding``)."""
+    that follows a schema (structured output, ``minivllm.structured_output``)."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
     """Required with type "json_schema", refused with the others."""
 
 
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar")
-"""The request fields that ask for structured output; at most one per request."""
+class StructuredOutputs(APIModel):
+    """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams`` in vLLM):
+    exactly one of json, regex, choice, grammar and json_object."""
+
+    json: dict[str, Any] | str | None = None
+    """The output is JSON that follows this schema."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: Annotated[list[str], Field(json_schema_extra={"minItems": 1})] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """The output matches this EBNF grammar (xgrammar's dialect)."""
+    json_object: bool | None = None
+    """True: the output is any JSON object."""
+    disable_any_whitespace: bool = False
+    """JSON only: no whitespace between tokens (by default any amount is allowed)."""
+
+
+REMOVED_FIELDS = {
+    "guided_json": '"structured_outputs": {"json": ...}',
+    "guided_regex": '"structured_outputs": {"regex": ...}',
+    "guided_choice": '"structured_outputs": {"choice": [...]}',
+    "guided_grammar": '"structured_outputs": {"grammar": ...}',
+    "guided_decoding_backend": "nothing (xgrammar is the only backend)",
+    "guided_whitespace_pattern": '"structured_outputs": {"disable_any_whitespace": true}',
+}
+"""Structured-output fields vLLM removed in v0.12 (it now ignores them, and the output
+comes back unconstrained); here they are refused with what to send instead."""
 
 
 class SamplingRequest(APIModel):
@@ -143,17 +168,10 @@ class SamplingRequest(APIModel):
     response_format: ResponseFormat | None = None
     """Structured output (OpenAI's): ``{"type": "json_object"}`` or ``{"type":
     "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
-    guided_json: dict[str, Any] | str | None = None
-    """vLLM's extension: the output is JSON that follows this schema."""
-    guided_regex: str | None = None
-    """vLLM's extension: the output matches this regular expression."""
-    guided_choice: Annotated[list[str], Field(json_schema_extra={"minItems": 1})] | None = None
-    """vLLM's extension: the output is exactly one of these strings."""
-    guided_grammar: str | None = None
-    """vLLM's extension: the output matches this EBNF grammar (xgrammar's dialect)."""
-    disable_any_whitespace: bool = False
-    """vLLM's structured-output option: JSON output without whitespace between tokens
-    (by default any amount is allowed). Only with a JSON response_format or guided_json."""
+    structured_outputs: StructuredOutputs | None = None
+    """Structured output (vLLM's extension): ``{"json": schema}``, ``{"regex": ...}``,
+    ``{"choice": [...]}``, ``{"grammar": ...}`` or ``{"json_object": true}``. Not
+    together with a JSON ``response_format``."""
 
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field asking for something
@@ -186,7 +204,7 @@ class SamplingRequest(APIModel):
             min_p=self.min_p or 0.0,
             logit_bias=self.logit_bias,
             n=self.n,
-            guided_decoding=self.guided_decoding(),
+            structured_outputs=self.structured_output_params(),
             logprobs=self.num_logprobs(),
         )
 
@@ -194,29 +212,25 @@ class SamplingRequest(APIModel):
         """``SamplingParams.logprobs`` from this endpoint's fields (each names them its way)."""
         return None
 
-    def guided_decoding(self) -> GuidedDecodingParams | None:
-        """The structured output the request asks for, from whichever one field asks for
-        it. A bad schema, regex or grammar is a ValidationError naming that field."""
-        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None
-                 and not (name == "response_format" and self.response_format.type == "text"
-                          and self.response_format.json_schema is None)]
-        if len(given) > 1:
-            raise ValidationError(given[1], f"{given[1]}: only one of {', '.join(given)} may "
-                                            f"be given (each asks for structured output)", None)
-        if not given:
-            if self.disable_any_whitespace:
-                raise ValidationError("disable_any_whitespace", "disable_any_whitespace applies "
-                                      "only to JSON output (response_format or guided_json)", True)
-            return None
-        field = given[0]
-        if field == "response_format":
-            kwargs = self._response_format_kwargs()
+    def structured_output_params(self) -> StructuredOutputsParams | None:
+        """The structured output the request asks for, from ``response_format`` or
+        ``structured_outputs`` (not both). A bad schema, regex or grammar is a
+        ValidationError naming the field."""
+        json_format = self.response_format is not None and not (
+            self.response_format.type == "text" and self.response_format.json_schema is None)
+        if json_format and self.structured_outputs is not None:
+            raise ValidationError("structured_outputs", "structured_outputs: give either it or a "
+                                  "JSON response_format, not both (each asks for structured output)", None)
+        if json_format:
+            field, kwargs = "response_format", self._response_format_kwargs()
+        elif self.structured_outputs is not None:
+            field, kwargs = "structured_outputs", self.structured_outputs.model_dump()
         else:
-            kwargs = {field.removeprefix("guided_"): getattr(self, field)}
+            return None
         try:
-            return GuidedDecodingParams(**kwargs, disable_any_whitespace=self.disable_any_whitespace)
+            return StructuredOutputsParams(**kwargs)
         except ValidationError as e:
-            message = re.sub(r"^guided_decoding(\.\w+)?", field, str(e))
+            message = re.sub(r"^structured_outputs(\.\w+)?", field, str(e)) if field == "response_format" else str(e)
             raise ValidationError(field, message, e.value) from None
 
     def _response_format_kwargs(self) -> dict:

@@ -11,7 +11,7 @@ that ask for it, the whole batch at once (vLLM's order): ``logit_bias`` is added
 repetition penalty (tokens seen in the prompt or the output), then the frequency and
 presence penalties (tokens seen in the output only), then, for requests with structured
 output, the grammar's mask (every token the grammar forbids gets ``-inf``;
-``minivllm.guided_decoding``). Greedy takes the argmax of those logits. ``min_p`` comes
+``minivllm.structured_output``). Greedy takes the argmax of those logits. ``min_p`` comes
 after temperature and before top-k/top-p. Rows of requests that ask for none of this are
 not touched.
 
@@ -116,8 +116,8 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
     nothing. ``params`` may be empty when no row asks for a bias or a penalty."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
-    guided = [i for i, g in enumerate(grammars or []) if g is not None]
-    if not biased and not penalized and not guided:
+    constrained = [i for i, g in enumerate(grammars or []) if g is not None]
+    if not biased and not penalized and not constrained:
         return logits
     logits = logits.float().clone()
     if biased:
@@ -132,9 +132,9 @@ def apply_logits_processors(logits: torch.Tensor, params: list[SamplingParams],
         logits[rows] = apply_penalties(logits[rows], [prompt_ids[i] for i in penalized],
                                        [output_ids[i] for i in penalized],
                                        [params[i] for i in penalized])
-    if guided:
-        from minivllm.guided_decoding import apply_grammar_bitmask  # xgrammar only when used
-        logits = apply_grammar_bitmask(logits, guided, [grammars[i] for i in guided])
+    if constrained:
+        from minivllm.structured_output import apply_grammar_bitmask  # xgrammar only when used
+        logits = apply_grammar_bitmask(logits, constrained, [grammars[i] for i in constrained])
     return logits
 
 

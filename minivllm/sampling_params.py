@@ -24,7 +24,7 @@ from minivllm.exceptions import (
     check_float,
     check_int,
 )
-from minivllm.guided_decoding import GuidedDecodingParams
+from minivllm.structured_output import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
@@ -81,9 +81,9 @@ class SamplingParams:
     """Completions to generate for the prompt, in [1, ``MAX_N``] (parallel sampling,
     ``minivllm.parallel_sampling``): n child requests that share the prompt's KV blocks.
     With a ``seed``, child ``i`` samples with ``seed + i`` (as vLLM does)."""
-    guided_decoding: GuidedDecodingParams | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     """Structured output: a JSON schema, regex, choice list or grammar the output must
-    match, enforced by masking the logits (``minivllm.guided_decoding``)."""
+    match, enforced by masking the logits (``minivllm.structured_output``)."""
     logprobs: int | None = None
     """Per generated token: its log-probability and rank, plus the ``logprobs`` most likely
     tokens at that position; 0 is the chosen token alone, None is off; at most
@@ -139,12 +139,13 @@ class SamplingParams:
             raise ValidationError(
                 "seed", f"seed {self.seed} with n={self.n}: the children's seeds seed..seed+n-1 "
                         f"must be at most {SEED_MAX}", self.seed)
-        if self.guided_decoding is not None:
-            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValidationTypeError(
-                    "guided_decoding", f"guided_decoding must be a GuidedDecodingParams, got "
-                                       f"{type(self.guided_decoding).__name__}", self.guided_decoding)
-            self.guided_decoding.verify()
+                    "structured_outputs",
+                    f"structured_outputs must be a StructuredOutputsParams, got "
+                    f"{type(self.structured_outputs).__name__}", self.structured_outputs)
+            self.structured_outputs.verify()
         self.logprobs = check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS,
                                   optional=True)
         self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, minimum=0,

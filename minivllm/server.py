@@ -59,6 +59,7 @@ from minivllm.llm import LLM
 from minivllm.middleware import CountResponses, RequestGuard
 from minivllm.prometheus import CONTENT_TYPE
 from minivllm.protocol import (
+    REMOVED_FIELDS,
     APIError,
     ChatCompletionResponse,
     CompletionResponse,
@@ -215,7 +216,10 @@ def _add_exception_handlers(app: FastAPI) -> None:
         if param is None:
             return bad_request(f"the request body must be a JSON object: {err['msg']}").response()
         where = ".".join(loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and where in REMOVED_FIELDS:
+            message = (f"{where}: removed from vLLM's API in v0.12 (vLLM ignores it now, so the "
+                       f"output would come back unconstrained); send {REMOVED_FIELDS[where]}")
+        elif err["type"] == "extra_forbidden":
             message = f"{where}: unknown field; this API has no such field"
         else:
             message = f"{where}: {err['msg']} (got {err.get('input')!r})"

@@ -1,11 +1,12 @@
-"""Structured output: a grammar decides which tokens may come next (vLLM's guided decoding).
+"""Structured output: a grammar decides which tokens may come next.
 
-Ask a language model for JSON and it usually gives JSON, until it does not. Guided
-decoding makes "usually" into "always" without touching the model: before each token is
-sampled, every token that could not continue a valid output has its logit set to
-``-inf``, so the sampler cannot pick it, however likely the model found it. The model
-still chooses among the tokens that remain, so its output is the most likely valid
-continuation it can find, not a template filled in.
+Ask a language model for JSON and it usually gives JSON, until it does not. Structured
+output (*guided decoding* until vLLM renamed it in 2025) makes "usually" into "always"
+without touching the model: before each token is sampled, every token that could not
+continue a valid output has its logit set to ``-inf``, so the sampler cannot pick it,
+however likely the model found it. The model still chooses among the tokens that
+remain, so its output is the most likely valid continuation it can find, not a
+template filled in.
 
 Three pieces, all of them from `xgrammar <https://github.com/mlc-ai/xgrammar>`_ (the
 library vLLM uses by default), one per stage of a request's life:
@@ -37,7 +38,7 @@ accepted and then rejected. (vLLM does roll matchers back, to verify drafts agai
 grammar; xgrammar's ``GrammarMatcher.rollback`` is what it uses.)
 
 In vLLM: ``vllm/v1/structured_output/`` (``StructuredOutputManager``, the xgrammar
-backend) and ``GuidedDecodingParams`` in ``vllm/sampling_params.py``.
+backend) and ``StructuredOutputsParams`` in ``vllm/sampling_params.py``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_bool
 
-GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """vLLM's ways of giving the grammar; exactly one is set."""
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """What ``json_object`` asks for: any JSON object (OpenAI's "json_object" response
@@ -61,18 +62,18 @@ def _xgrammar():
         import xgrammar
     except ImportError:
         raise ValidationError(
-            "guided_decoding", "guided decoding needs xgrammar: pip install 'minivllm[structured]'",
+            "structured_outputs", "structured output needs xgrammar: pip install 'minivllm[structured]'",
             None) from None
     return xgrammar
 
 
 @dataclass
-class GuidedDecodingParams:
+class StructuredOutputsParams:
     """Which outputs a request allows; exactly one of the five ways must be set, for
     example::
 
-        SamplingParams(guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
-        SamplingParams(guided_decoding=GuidedDecodingParams(
+        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        SamplingParams(structured_outputs=StructuredOutputsParams(
             json={"type": "object", "properties": {"n": {"type": "integer"}}}))
     """
 
@@ -97,40 +98,45 @@ class GuidedDecodingParams:
     def verify(self) -> None:
         """Check the fields, and that the grammar parses (a bad schema or regex is refused
         here, with the library's message, not later inside a step)."""
-        kinds = [k for k in GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
             raise ValidationError(
-                "guided_decoding", f"guided_decoding needs exactly one of {', '.join(GUIDED_KINDS)}; "
-                                   f"got {', '.join(kinds) if kinds else 'none'}", kinds)
+                "structured_outputs",
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                f"got {', '.join(kinds) if kinds else 'none'}", kinds)
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValidationTypeError(
-                "guided_decoding", f"guided_decoding.json must be a JSON schema (a dict or a "
-                                   f"string), got {type(self.json).__name__}", self.json)
+                "structured_outputs",
+                f"structured_outputs.json must be a JSON schema (a dict or a "
+                f"string), got {type(self.json).__name__}", self.json)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValidationTypeError(
-                    "guided_decoding", f"guided_decoding.{name} must be a string, got "
-                                       f"{type(value).__name__}", value)
+                    "structured_outputs",
+                    f"structured_outputs.{name} must be a string, got "
+                    f"{type(value).__name__}", value)
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(c, str) for c in self.choice)):
                 raise ValidationTypeError(
-                    "guided_decoding", f"guided_decoding.choice must be a non-empty list of "
-                                       f"strings, got {self.choice!r}", self.choice)
+                    "structured_outputs",
+                    f"structured_outputs.choice must be a non-empty list of "
+                    f"strings, got {self.choice!r}", self.choice)
             self.choice = list(self.choice)
         if self.json_object is not None:
-            check_bool("guided_decoding", self.json_object)
-        self.disable_any_whitespace = check_bool("guided_decoding", self.disable_any_whitespace)
+            check_bool("structured_outputs", self.json_object)
+        self.disable_any_whitespace = check_bool("structured_outputs", self.disable_any_whitespace)
         if self.disable_any_whitespace and self.kind not in ("json", "json_object"):
             raise ValidationError(
-                "guided_decoding", f"guided_decoding.disable_any_whitespace applies to json and "
-                                   f"json_object only, not to {self.kind}", self.kind)
+                "structured_outputs",
+                f"structured_outputs.disable_any_whitespace applies to json and "
+                f"json_object only, not to {self.kind}", self.kind)
         self.parse()
 
     @property
     def kind(self) -> str:
-        return next(k for k in GUIDED_KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
 
     def schema_text(self) -> str:
         """The JSON schema as text (json and json_object only)."""
@@ -156,8 +162,9 @@ class GuidedDecodingParams:
             return xgr.Grammar.from_ebnf(self.grammar if self.kind == "grammar" else self.choice_ebnf())
         except Exception as e:  # xgrammar raises RuntimeError (or its own) with the parser's text
             raise ValidationError(
-                "guided_decoding", f"guided_decoding.{self.kind} is not valid: "
-                                   f"{_last_line(e)}", getattr(self, self.kind)) from None
+                "structured_outputs",
+                f"structured_outputs.{self.kind} is not valid: "
+                f"{_last_line(e)}", getattr(self, self.kind)) from None
 
 
 def _last_line(e: Exception) -> str:
@@ -190,7 +197,7 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Compiles a request's GuidedDecodingParams for one tokenizer and vocabulary, with a
+    """Compiles a request's StructuredOutputsParams for one tokenizer and vocabulary, with a
     cache, and hands each request a matcher of its own (the engine has one of these)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
@@ -201,7 +208,7 @@ class GrammarCompiler:
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info)  # caches what it compiles
 
-    def compile(self, params: GuidedDecodingParams):
+    def compile(self, params: StructuredOutputsParams):
         kind, c = params.kind, self.compiler
         try:
             if kind in ("json", "json_object"):
@@ -211,10 +218,10 @@ class GrammarCompiler:
                 return c.compile_regex(params.regex)
             return c.compile_grammar(params.grammar if kind == "grammar" else params.choice_ebnf())
         except Exception as e:
-            raise ValidationError("guided_decoding", f"guided_decoding.{kind} could not be "
+            raise ValidationError("structured_outputs", f"structured_outputs.{kind} could not be "
                                   f"compiled: {_last_line(e)}", getattr(params, kind)) from None
 
-    def new_state(self, params: GuidedDecodingParams) -> GrammarState:
+    def new_state(self, params: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher at the start of the request's grammar."""
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(params)))
 
@@ -222,13 +229,13 @@ class GrammarCompiler:
 def apply_grammar_bitmask(logits, rows: list[int], states: list[GrammarState]):
     """Set to ``-inf`` the logits of every token the grammar forbids, in place, for the
     rows ``rows`` of ``[num_rows, vocab]`` float32 logits (``states[i]`` guides row
-    ``rows[i]``). One int32 bitmask row per guided request, filled by its matcher, then
+    ``rows[i]``). One int32 bitmask row per constrained request, filled by its matcher, then
     one call applies them all; the other rows are not read or written."""
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
     for i, state in enumerate(states):
         state.fill_bitmask(bitmask, i)
-    guided = logits[rows]
-    xgr.apply_token_bitmask_inplace(guided, bitmask, vocab_size=logits.shape[-1])
-    logits[rows] = guided
+    constrained = logits[rows]
+    xgr.apply_token_bitmask_inplace(constrained, bitmask, vocab_size=logits.shape[-1])
+    logits[rows] = constrained
     return logits

@@ -101,9 +101,15 @@ def cases() -> list[tuple[str, dict | bytes, int, str | None]]:
                                 {"type": "json_schema", "json_schema": {"schema": {}}},
                                 {"type": "json_schema",
                                  "json_schema": {"name": "x", "schema": {"type": "objectx"}}}],
-            "guided_json": [[1], 5, "{not json", {"type": "integer", "minimum": 2, "maximum": 1}],
-            "guided_regex": ["(ab", 5], "guided_choice": [[], "a", [1]],
-            "guided_grammar": ["root ::= ", ["x"]],
+            "structured_outputs": [{"json": [1]}, {"json": 5}, {"json": "{not json"},
+                                   {"json": {"type": "integer", "minimum": 2, "maximum": 1}},
+                                   {"regex": "(ab"}, {"regex": 5}, {"choice": []}, {"choice": "a"},
+                                   {"choice": [1]}, {"grammar": "root ::= "}, {"grammar": ["x"]}, {},
+                                   {"json": {}, "regex": "a"}, {"regex": "a", "disable_any_whitespace": True},
+                                   {"json_object": 1}, {"jsn": {}}, "json", [1]],
+            # vLLM's structured-output fields before v0.12: refused, naming what to send instead
+            "guided_json": [{"type": "object"}], "guided_regex": ["a+"], "guided_choice": [["a"]],
+            "guided_grammar": ["root ::= \"a\""],
             "disable_any_whitespace": [True, 1],
             "temprature": [0.5],  # a typo is an unknown field, not a silent default
         }

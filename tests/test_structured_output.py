@@ -19,7 +19,7 @@ import torch
 from helpers import all_blocks_free
 from tiny_chat import tiny_chat_llm
 
-from minivllm import LLM, GuidedDecodingParams, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.exceptions import ValidationError
 from minivllm.model_loader import make_tiny_model
 from minivllm.sampler import apply_logits_processors
@@ -49,7 +49,7 @@ def llm() -> LLM:
 
 def guided(seed: int, max_tokens: int = 64, **kind) -> SamplingParams:
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
-                          guided_decoding=GuidedDecodingParams(**kind))
+                          structured_outputs=StructuredOutputsParams(**kind))
 
 
 def texts(llm: LLM, prompts, params) -> list:
@@ -75,7 +75,7 @@ def test_json_object_and_a_schema_given_as_text(llm):
     tokenizer = llm.llm_engine.tokenizer
     bias = {tokenizer.convert_tokens_to_ids(t): 12.0 for t in ('"', "}", '"}')}
     json_object = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, logit_bias=bias,
-                                  guided_decoding=GuidedDecodingParams(json_object=True,
+                                  structured_outputs=StructuredOutputsParams(json_object=True,
                                                                        disable_any_whitespace=True))
                    for i in range(5)]
     outs = texts(llm, ["JSON please"] * 10, json_object
@@ -103,7 +103,7 @@ def test_each_child_of_n_gets_its_own_grammar_state(llm):
     """n > 1 fans out into child requests, each added on its own: each has its own matcher
     (a shared one would advance over every child's tokens)."""
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=64, n=4,
-                            guided_decoding=GuidedDecodingParams(json=SCHEMA,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA,
                                                                  disable_any_whitespace=True))
     out = llm.generate("JSON:", params, use_tqdm=False)[0]
     assert len(out.outputs) == 4
@@ -116,7 +116,7 @@ def test_greedy_and_ignore_eos_still_stop_when_the_grammar_is_complete(llm):
     """Greedy takes the argmax of the masked logits; with ignore_eos the request still
     ends when the grammar has accepted the end of sequence: nothing valid is left."""
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=20,
-                             guided_decoding=GuidedDecodingParams(choice=CHOICES))]
+                             structured_outputs=StructuredOutputsParams(choice=CHOICES))]
     out = texts(llm, ["Answer:"], params)[0]
     assert out.text in CHOICES and out.finish_reason == "stop"
 
@@ -227,26 +227,26 @@ def test_no_drafts_for_guided_requests_with_speculative_decoding(llm):
     (dict(json=SCHEMA, regex="a+"), "got json, regex"),
     (dict(json=[1, 2]), "json must be a JSON schema"),
     (dict(json='{"type": "objectx"}'), "Unsupported type"),
-    (dict(json="{not json"), "guided_decoding.json is not valid"),
+    (dict(json="{not json"), "structured_outputs.json is not valid"),
     (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "minimum greater than maximum"),
     (dict(regex="(ab"), "parenthesis is not closed"),
     (dict(regex=3), "regex must be a string"),
     (dict(choice=[]), "non-empty list of strings"),
     (dict(choice=["a", 1]), "non-empty list of strings"),
-    (dict(grammar="root ::= "), "guided_decoding.grammar is not valid"),
-    (dict(json_object=True, disable_any_whitespace="yes"), "guided_decoding"),
+    (dict(grammar="root ::= "), "structured_outputs.grammar is not valid"),
+    (dict(json_object=True, disable_any_whitespace="yes"), "structured_outputs"),
     (dict(regex="a+", disable_any_whitespace=True), "json and json_object only"),
 ])
 def test_invalid_guided_params_raise_validation_error(kwargs, message):
     with pytest.raises(ValidationError, match=re.escape(message)) as e:
-        GuidedDecodingParams(**kwargs)
-    assert e.value.param == "guided_decoding"
+        StructuredOutputsParams(**kwargs)
+    assert e.value.param == "structured_outputs"
 
 
-def test_guided_decoding_must_be_guided_decoding_params():
-    with pytest.raises(ValidationError, match="must be a GuidedDecodingParams") as e:
-        SamplingParams(guided_decoding={"json": SCHEMA})
-    assert e.value.param == "guided_decoding"
+def test_structured_outputs_must_be_structured_outputs_params():
+    with pytest.raises(ValidationError, match="must be a StructuredOutputsParams") as e:
+        SamplingParams(structured_outputs={"json": SCHEMA})
+    assert e.value.param == "structured_outputs"
 
 
 def test_an_engine_without_a_tokenizer_refuses_guided_requests():
@@ -256,11 +256,12 @@ def test_an_engine_without_a_tokenizer_refuses_guided_requests():
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-# -- the server: response_format and vLLM's guided_* fields, engine core in its own process ----
+# -- the server: response_format and vLLM's structured_outputs, engine core in its own process --
 @pytest.fixture(scope="module")
 def server(llm, tmp_path_factory):
     """The tiny model saved as a Hugging Face folder, served by build_app's default: an
-    engine core in a process of its own, so the guided params cross the msgpack wire."""
+    engine core in a process of its own, so the structured-output params cross the msgpack
+    wire."""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     from minivllm.server import ServerThread, build_app
@@ -290,22 +291,30 @@ def chat(client, **kwargs):
 
 
 @pytest.mark.multiprocess
-def test_server_response_format_json_schema(client):
+def test_server_response_format_json_schema(client, llm):
+    # OpenAI's response_format allows any whitespace, which the random model pours out
+    # until max_tokens: it must be the same grammar as the offline engine's json=SCHEMA
+    # (same seed, same tokens). Whitespace-free JSON is vLLM's structured_outputs option.
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    for seed in range(3):
+        r = chat(client, seed=seed, response_format=fmt)
+        offline = llm.chat(messages, SamplingParams(temperature=1.0, max_tokens=64, seed=seed,
+                                                    structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+                           use_tqdm=False)[0].outputs[0]
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (offline.text, offline.finish_reason)
     for seed in range(5):
-        # disable_any_whitespace is not OpenAI's: the random model would pour whitespace
-        r = chat(client, seed=seed, response_format=fmt,
-                 extra_body={"disable_any_whitespace": True})
+        r = chat(client, seed=seed, extra_body={"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}})
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
 
 
 @pytest.mark.multiprocess
-def test_server_guided_fields_on_both_endpoints(client):
-    r = chat(client, seed=1, extra_body={"guided_choice": CHOICES})
+def test_server_structured_outputs_on_both_endpoints(client):
+    r = chat(client, seed=1, extra_body={"structured_outputs": {"choice": CHOICES}})
     assert r.choices[0].message.content in CHOICES
-    c = client.completions.create(model=client.models.list().data[0].id, prompt="Code:",
-                                  max_tokens=20, seed=2, extra_body={"guided_regex": REGEX})
+    c = client.completions.create(model=client.models.list().data[0].id, prompt="Code:", max_tokens=20,
+                                  seed=2, extra_body={"structured_outputs": {"regex": REGEX}})
     assert re.fullmatch(REGEX, c.choices[0].text) and c.choices[0].finish_reason == "stop"
 
 
@@ -316,15 +325,20 @@ def test_server_guided_fields_on_both_endpoints(client):
      "response_format", "Unsupported type"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ({"response_format": {"type": "xml"}}, "response_format", None),
-    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json",
-     "minimum greater than maximum"),
-    ({"guided_regex": "(ab"}, "guided_regex", "parenthesis"),
-    ({"guided_choice": []}, "guided_choice", None),
-    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "only one of"),
-    ({"disable_any_whitespace": True}, "disable_any_whitespace", "only to JSON"),
-    ({"guided_choice": ["a"], "disable_any_whitespace": True}, "guided_choice", "json_object only"),
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": 5, "maximum": 1}}},
+     "structured_outputs", "minimum greater than maximum"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "parenthesis"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", None),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}}, "structured_outputs",
+     "json_object only"),
+    ({"structured_outputs": {"json": SCHEMA}, "response_format": {"type": "json_object"}},
+     "structured_outputs", "not both"),
+    ({"guided_choice": ["a"]}, "guided_choice", '"structured_outputs": {"choice": [...]}'),
+    ({"guided_json": SCHEMA}, "guided_json", "removed from vLLM's API in v0.12"),
+    ({"disable_any_whitespace": True}, "disable_any_whitespace", "unknown field"),
 ])
-def test_server_bad_guided_requests_are_400_naming_the_field(client, body, param, message):
+def test_server_bad_structured_output_requests_are_400_naming_the_field(client, body, param, message):
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, extra_body=body)
@@ -332,15 +346,15 @@ def test_server_bad_guided_requests_are_400_naming_the_field(client, body, param
     assert error["param"] == param or param in error["message"], error
     if message:
         assert message in error["message"], error
-    assert chat(client, seed=3, extra_body={"guided_choice": CHOICES}).choices[0].message.content \
-        in CHOICES, "the server must still serve after a refusal"
+    assert chat(client, seed=3, extra_body={"structured_outputs": {"choice": CHOICES}}).choices[0] \
+        .message.content in CHOICES, "the server must still serve after a refusal"
 
 
 def test_n_children_each_follow_the_grammar_and_a_bad_one_queues_nothing(llm):
     """With n > 1 every child has a matcher of its own (each answer is one of the choices),
     and a grammar that cannot compile is refused before any child is queued."""
     out = llm.generate("Pick one:", SamplingParams(
-        n=4, temperature=1.0, seed=3, max_tokens=20, guided_decoding=GuidedDecodingParams(choice=CHOICES)),
+        n=4, temperature=1.0, seed=3, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=CHOICES)),
         use_tqdm=False)[0]
     assert len(out.outputs) == 4 and all(c.text in CHOICES for c in out.outputs), out.outputs
     assert all_blocks_free(llm)
@@ -352,10 +366,10 @@ def test_a_grammar_that_fails_to_compile_queues_no_child(llm, monkeypatch):
     engine = llm.llm_engine
 
     def refuse(guided):
-        raise ValidationError("guided_decoding", "guided_decoding.regex could not be compiled", guided)
+        raise ValidationError("structured_outputs", "structured_outputs.regex could not be compiled", guided)
 
     monkeypatch.setattr(engine, "_new_grammar_state", refuse)
     with pytest.raises(ValidationError, match="could not be compiled"):
-        engine.add_request("bad", "x", SamplingParams(n=3, guided_decoding=GuidedDecodingParams(regex="a+")))
+        engine.add_request("bad", "x", SamplingParams(n=3, structured_outputs=StructuredOutputsParams(regex="a+")))
     assert not engine.has_unfinished_requests() and not engine.has_request("bad")
     assert not any(engine.has_request(f"{i}_bad") for i in range(3))
