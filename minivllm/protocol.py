@@ -101,8 +101,8 @@ class StructuredOutputs(APIModel):
     """vLLM's ``structured_outputs`` request field (``StructuredOutputsParams`` in vLLM):
     exactly one of json, regex, choice, grammar and json_object."""
 
-    json: dict[str, Any] | str | None = None
-    """The output is JSON that follows this schema."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    """The output is JSON that follows this schema (``json`` in the request)."""
     regex: str | None = None
     """The output matches this regular expression."""
     choice: Annotated[list[str], Field(json_schema_extra={"minItems": 1})] | None = None
@@ -224,7 +224,7 @@ class SamplingRequest(APIModel):
         if json_format:
             field, kwargs = "response_format", self._response_format_kwargs()
         elif self.structured_outputs is not None:
-            field, kwargs = "structured_outputs", self.structured_outputs.model_dump()
+            field, kwargs = "structured_outputs", self.structured_outputs.model_dump(by_alias=True)
         else:
             return None
         try:
