@@ -15,6 +15,7 @@ from matplotlib.legend import Legend
 from minivllm import LLM, SamplingParams, viz
 from minivllm.metrics import percentile
 from minivllm.model_loader import make_tiny_model
+from minivllm.viz import style
 
 
 @pytest.fixture(autouse=True)
@@ -340,10 +341,15 @@ def test_flat_batch_draws_every_token_and_boundary():
         viz.plot_flat_batch([1], [0, 1], [0, 1], [0, 2], [2], [[0]], ["a"], 16)
 
 
-def test_request_colors_are_stable_and_distinct():
-    colors = [viz.request_color(str(i)) for i in range(20)]
-    assert len(set(colors)) == 20
+def test_request_colors_are_stable_distinct_and_never_grey():
+    colors = [viz.request_color(str(i)) for i in range(18)]
+    assert len(set(colors)) == 18
     assert viz.request_color("abc") == viz.request_color("abc")
+    # Grey means a free block or a waiting request: no request may look like one.
+    for rid, c in zip(range(18), colors):
+        assert max(c) - min(c) > 0.1, f"request {rid} is drawn grey: {c}"
+    for state in (viz.FREE_COLOR, style.WAITING_COLOR):
+        assert max(to_rgba(state)[:3]) - min(to_rgba(state)[:3]) < 0.01
 
 
 def test_save_figure(trace, tmp_path, monkeypatch):

@@ -38,19 +38,22 @@ MAX_KEYED_REQUESTS = 24
 FEW_SAMPLES = 20
 """Below this many samples a latency figure shows the points, not a histogram."""
 
-_PALETTE = plt.get_cmap("tab20").colors
+_TAB20 = plt.get_cmap("tab20").colors
+_PALETTE = tuple(_TAB20[i] for i in range(0, 20, 2) if i != 14) + tuple(_TAB20[i] for i in range(1, 20, 2) if i != 15)
+"""tab20's strong shades, then its light ones, without its two greys (entries 14 and 15):
+grey already means a free block and a waiting request. 18 colours."""
 
 
 def request_color(request_id: str) -> tuple[float, float, float]:
     """A stable colour per request id: the same in every figure and every run.
 
     Numeric ids (what ``LLM.generate`` assigns) walk the palette in order, so the first
-    twenty requests get twenty different colours; other ids are hashed (crc32, which,
-    unlike Python's ``hash`` of a string, does not change between processes).
+    eighteen requests get eighteen different colours; other ids are hashed (crc32, which,
+    unlike Python's ``hash`` of a string, does not change between processes), so two of
+    them can share a colour.
     """
     key = int(request_id) if request_id.isdigit() else zlib.crc32(request_id.encode())
-    # Even entries of tab20 first (the strong shades), then the light ones.
-    return _PALETTE[(2 * key) % 20 + (key // 10) % 2]
+    return _PALETTE[key % len(_PALETTE)]
 
 
 def _new_figure(size: tuple[float, float]) -> Figure:
