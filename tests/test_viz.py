@@ -489,3 +489,34 @@ def test_priority_timelines_side_by_side_share_time_and_one_key(tiny_model):
     assert first == {"fcfs": "0", "priority": "2"}
     with pytest.raises(ValueError, match="no trace"):
         viz.plot_priority_timelines({}, groups)
+
+
+def overflow(fig: Figure) -> tuple[float, float]:
+    """How far (inches: width, height) what the figure draws reaches past its own size:
+    what ``savefig(bbox_inches="tight")`` (as ``viz.save_figure`` and Jupyter's inline
+    pictures do) grows the picture by, or what a fixed-size picture clips."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    tight = fig.get_tightbbox(canvas.get_renderer())
+    w, h = fig.get_size_inches()
+    return max(0.0, tight.x1 - w, -tight.x0), max(0.0, tight.y1 - h, -tight.y0)
+
+
+def test_long_request_ids_stay_inside_the_figure(tiny_model):
+    """A server's request ids are 40 characters: the steps figure (titles listing what ran,
+    the request key) shortens them rather than growing past the page (notebook 10)."""
+    import random
+
+    llm = LLM(tiny_model, block_size=4, num_kv_blocks=32, max_num_batched_tokens=16, log_stats_interval=None)
+    engine = llm.llm_engine
+    ids = [f"chatcmpl-{random.Random(i).getrandbits(128):032x}" for i in range(8)]  # vLLM's shape
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, {"prompt_token_ids": [100 + i] * 5}, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    fig = viz.plot_steps(llm.trace)
+    assert overflow(fig) == (0.0, 0.0)
+    shown = {viz.short_id(rid) for rid in ids}
+    assert len(shown) == len(ids) and max(map(len, shown)) <= 12, shown

@@ -56,6 +56,7 @@ from minivllm.viz.style import (
     TIMELINE_SIZE,
     WAITING_COLOR,
     request_color,
+    short_id,
 )
 from minivllm.viz.timeline import (
     plot_priority_timeline,
@@ -108,6 +109,7 @@ __all__ = [
     "plot_ttft_breakdown",
     "replay",
     "request_color",
+    "short_id",
     "request_spans",
     "save_figure",
     "spec_decode_counts",

@@ -21,6 +21,7 @@ from minivllm.viz.style import (
     _new_figure,
     _request_key,
     request_color,
+    short_id,
 )
 
 # -- what each step computed ----------------------------------------------------------
@@ -206,7 +207,7 @@ def plot_flat_batch(
     ax.set_xlim(-7.5, max(n, 0.9 * width, 24) + 0.5)
     ax.set_ylim(y0 + 2.0 * nseq, -0.8)
     ax.axis("off")
-    handles = [Patch(facecolor=request_color(r), alpha=0.5, label=f"request {r}") for r in request_ids]
+    handles = [Patch(facecolor=request_color(r), alpha=0.5, label=f"request {short_id(r)}") for r in request_ids]
     handles.append(Line2D([], [], color="black", marker="*", linestyle="", label="logits computed"))
     handles.append(Line2D([], [], color="black", linestyle="--", label="a new cache block begins"))
     handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))

@@ -22,6 +22,7 @@ from minivllm.viz.style import (
     _new_axes,
     _request_key,
     request_color,
+    short_id,
 )
 
 # -- the paged KV cache ---------------------------------------------------------------
@@ -110,10 +111,10 @@ def plot_block_table(
             row, col = divmod(b, ncols)
             ax.annotate("", xy=(col + 0.46, row + 0.92), xytext=(x + width * 0.46, map_top),
                         arrowprops=dict(arrowstyle="->", color=color, lw=0.9, alpha=0.8))
-        caption = (f"block table of request {request_id}: logical block Li -> physical block "
+        caption = (f"block table of request {short_id(request_id)}: logical block Li -> physical block "
                    f"{table if len(table) <= 12 else table[:12] + ['...']}")
     elif request_id is not None:
-        caption = f"request {request_id} holds no blocks after this step"
+        caption = f"request {short_id(request_id)} holds no blocks after this step"
     else:
         caption = "no running request holds blocks after this step"
     if shown < n:

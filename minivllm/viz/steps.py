@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
@@ -10,7 +11,7 @@ from matplotlib.figure import Figure
 from minivllm.trace import Trace
 from minivllm.viz.batch import plot_batch_composition
 from minivllm.viz.kv_cache import _blocks_shown, plot_block_table
-from minivllm.viz.style import REPLAY_SIZE, STEPS_SIZE, _get_step, _new_figure
+from minivllm.viz.style import REPLAY_SIZE, STEPS_SIZE, _get_step, _new_figure, short_id
 
 # -- a few steps side by side, and the interactive replay -------------------------------
 
@@ -69,12 +70,12 @@ def plot_steps(trace: Trace, steps: Sequence[int] | None = None,
     for j, (letter, i, record) in enumerate(zip("ABCDEFGH", chosen, records)):
         pool_ax = fig.add_subplot(grid[2 + j // 2, j % 2])
         plot_block_table(trace, i, request_ids[j], ax=pool_ax, legend=False)
-        parts = [f"{c.request_id}:{'P' if c.is_prefill else 'D'}{c.num_new_tokens}"
+        parts = [f"{short_id(c.request_id)}:{'P' if c.is_prefill else 'D'}{c.num_new_tokens}"
                  for c in record.scheduled[:8]]
         more = " ..." if len(record.scheduled) > 8 else ""
+        ran = textwrap.fill("this step ran " + " ".join(parts) + more, 90)  # two lines at most
         pool_ax.set_title(f"{letter}: KV block pool after step {record.step} "
-                          f"({record.num_free_blocks}/{record.num_blocks} blocks free); this step ran "
-                          + " ".join(parts) + more, fontsize=8)
+                          f"({record.num_free_blocks}/{record.num_blocks} blocks free)\n{ran}", fontsize=8)
     fig.suptitle("Steps side by side (gold, lettered): what ran in each step, and the KV block "
                  "pool after it. P = prefill tokens, D = decode", fontsize=10)
     return fig
@@ -89,7 +90,7 @@ def _replay_figure(trace: Trace, step: int, request_id: str | None = None) -> Fi
     plot_block_table(trace, step, request_id, ax=left)
     plot_batch_composition(trace, ax=(tok_ax, seat_ax), highlight_step=step)
     record = trace.steps[step]
-    parts = [f"{c.request_id}: {'prefill' if c.is_prefill else 'decode'} {c.num_new_tokens}"
+    parts = [f"{short_id(c.request_id)}: {'prefill' if c.is_prefill else 'decode'} {c.num_new_tokens}"
              for c in record.scheduled[:8]]
     more = f" (+{len(record.scheduled) - 8} more)" if len(record.scheduled) > 8 else ""
     fig.suptitle(f"step {record.step} (gold): " + ", ".join(parts) + more, fontsize=10)

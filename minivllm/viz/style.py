@@ -56,6 +56,16 @@ def request_color(request_id: str) -> tuple[float, float, float]:
     return _PALETTE[key % len(_PALETTE)]
 
 
+def short_id(request_id: str, width: int = 12) -> str:
+    """A request id as figures print it: whole up to ``width`` characters, else its first
+    three and its last characters (a server's ids are 40 characters, ``chatcmpl-`` and
+    random hex: the end tells them apart; a title of eight whole ones would be wider than
+    any screen)."""
+    if len(request_id) <= width:
+        return request_id
+    return f"{request_id[:3]}…{request_id[-(width - 4):]}"
+
+
 def _new_figure(size: tuple[float, float]) -> Figure:
     """A Figure made through pyplot (which switches Jupyter's inline backend on, so the
     Figure renders as a picture) and then closed there at once.
@@ -106,7 +116,7 @@ def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False) -> N
                 f"colour = request ({len(ids)} requests)", transform=ax.transAxes, fontsize=7,
                 va="top")
         return
-    handles = [Patch(facecolor=request_color(r), label=r) for r in ids]
+    handles = [Patch(facecolor=request_color(r), label=short_id(r)) for r in ids]
     if below:
         place = dict(loc="upper left", bbox_to_anchor=(0.0, 0.0), ncol=min(len(ids), 12))
     else:
