@@ -520,3 +520,28 @@ def test_long_request_ids_stay_inside_the_figure(tiny_model):
     assert overflow(fig) == (0.0, 0.0)
     shown = {viz.short_id(rid) for rid in ids}
     assert len(shown) == len(ids) and max(map(len, shown)) <= 12, shown
+
+
+FIGURES = {  # each trace-drawing figure, with the arguments it needs besides the trace
+    "plot_batch_composition": lambda t: viz.plot_batch_composition(t),
+    "plot_block_table": lambda t: viz.plot_block_table(t, 1),
+    "plot_kv_usage": lambda t: viz.plot_kv_usage(t),
+    "plot_latency": lambda t: viz.plot_latency(t),
+    "plot_ttft_breakdown": lambda t: viz.plot_ttft_breakdown(t),
+    "plot_request_timeline": lambda t: viz.plot_request_timeline(t),
+    "plot_steps": lambda t: viz.plot_steps(t),
+    "plot_memory_waste": lambda t: viz.plot_memory_waste(t),
+    "plot_priority_timeline": lambda t: viz.plot_priority_timeline(t, {r: f"group {int(r) % 2}" for r in t.requests}),
+    "plot_architecture": lambda t: viz.plot_architecture(),
+    "plot_process_split": lambda t: viz.plot_process_split(),
+}
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_figures_draw_inside_their_own_size(name, tiny_model):
+    """Nothing a figure draws (a title, a key, a label) reaches past the figure's edge:
+    the layout guard behind the reviews' clipped keys and over-wide pictures. Ten
+    requests with a shared prefix, so keys, block tables and timelines have rows to show."""
+    trace = run(tiny_model, [5 + 3 * i for i in range(10)], 4, shared_prefix=list(range(8)),
+                num_kv_blocks=40, max_num_batched_tokens=24)
+    assert overflow(FIGURES[name](trace)) == (0.0, 0.0)
