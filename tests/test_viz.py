@@ -331,8 +331,9 @@ def test_flat_batch_draws_every_token_and_boundary():
     for name in ("input_ids", "positions", "slot_mapping"):
         assert len(patches_by_gid(ax, f"{name}:")) == 4
     cells = patches_by_gid(ax, "slot_mapping:")
-    assert to_rgba(cells["slot_mapping:0"].get_facecolor())[:3] == to_rgba(viz.request_color("a"))[:3]
-    assert to_rgba(cells["slot_mapping:1"].get_facecolor())[:3] == to_rgba(viz.request_color("b"))[:3]
+    colors = viz.request_colors(["a", "b"])
+    assert to_rgba(cells["slot_mapping:0"].get_facecolor())[:3] == to_rgba(colors["a"])[:3]
+    assert to_rgba(cells["slot_mapping:1"].get_facecolor())[:3] == to_rgba(colors["b"])[:3]
     gids = {line.get_gid() for line in ax.get_lines()}
     assert {"qsl:0", "qsl:1", "qsl:2", "logits:0", "logits:3"} <= gids
     texts = " ".join(t.get_text() for t in ax.texts)
@@ -520,6 +521,10 @@ def test_long_request_ids_stay_inside_the_figure(tiny_model):
     assert overflow(fig) == (0.0, 0.0)
     shown = {viz.short_id(rid) for rid in ids}
     assert len(shown) == len(ids) and max(map(len, shown)) <= 12, shown
+    # and eight named requests get eight colours (hashing them into 18 shares some)
+    bars = [p for ax in fig.axes for p in ax.patches if (p.get_gid() or "").startswith("step:")]
+    by_request = {p.get_gid().split(":", 2)[2]: to_rgba(p.get_facecolor()) for p in bars}
+    assert len(by_request) == 8 and len(set(by_request.values())) == 8
 
 
 FIGURES = {  # each trace-drawing figure, with the arguments it needs besides the trace

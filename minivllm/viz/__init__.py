@@ -6,9 +6,11 @@ a figure shows exactly what the trace recorded, so re-running a notebook cell re
 the same run instead of producing a new one. Figures made here have fixed sizes so they
 look the same in every notebook and in ``figures/``.
 
-A request keeps one colour in every picture (:func:`request_color`), so the request
-that fills blocks 3, 7 and 9 in the block table is the same colour as its bars in the
-batch composition and its row in the timeline; each figure carries the key.
+A request keeps one colour in every picture of a trace (:func:`request_colors`: request
+``"3"`` always gets the palette's fourth colour; named ids, a server's ``chatcmpl-...``,
+take the colours left in order of arrival), so the request that fills blocks 3, 7 and 9
+in the block table is the same colour as its bars in the batch composition and its row
+in the timeline; each figure carries the key.
 
     from minivllm import viz
     fig = viz.plot_batch_composition(llm.trace)
@@ -56,6 +58,7 @@ from minivllm.viz.style import (
     TIMELINE_SIZE,
     WAITING_COLOR,
     request_color,
+    request_colors,
     short_id,
 )
 from minivllm.viz.timeline import (
@@ -109,6 +112,7 @@ __all__ = [
     "plot_ttft_breakdown",
     "replay",
     "request_color",
+    "request_colors",
     "short_id",
     "request_spans",
     "save_figure",

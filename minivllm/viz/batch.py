@@ -20,8 +20,9 @@ from minivllm.viz.style import (
     _new_axes,
     _new_figure,
     _request_key,
-    request_color,
+    request_colors,
     short_id,
+    trace_colors,
 )
 
 # -- what each step computed ----------------------------------------------------------
@@ -58,10 +59,11 @@ def plot_batch_composition(
         tok_ax, seat_ax = ax
         fig = tok_ax.figure
     order: list[str] = []
+    colors = trace_colors(trace)
     for record in trace.steps:
         bottom = 0
         for i, c in enumerate(record.scheduled):
-            color = request_color(c.request_id)
+            color = colors[c.request_id]
             hatch = PREFILL_HATCH if c.is_prefill else None
             bar = tok_ax.bar(record.step, c.num_new_tokens, bottom=bottom, width=0.8, color=color,
                              edgecolor="white", linewidth=0.4, hatch=hatch)
@@ -107,7 +109,7 @@ def plot_batch_composition(
         seat_ax.yaxis.get_major_locator().set_params(integer=True)
         axes.append(seat_ax)
     if key:
-        _request_key(axes[-1], order)
+        _request_key(axes[-1], order, colors=colors)
     axes[-1].set_xlabel("engine step")
     if highlight_step is not None:
         s = _get_step(trace, highlight_step).step
@@ -154,13 +156,14 @@ def plot_flat_batch(
         raise ValueError("inconsistent flat batch: input_ids, positions, slot_mapping and "
                          "query_start_loc[-1] must agree, with one request id per sequence")
     fig, ax = _new_axes(ax, FLAT_BATCH_SIZE)
+    colors = request_colors(request_ids)
     owner = [s for s in range(nseq) for _ in range(qsl[s], qsl[s + 1])]
     rows = [("input_ids", ids), ("positions", pos), ("slot_mapping", slots)]
     fs = 7 if n <= 24 else 5.5 if n <= 48 else 4
     for r, (name, values) in enumerate(rows):
         ax.text(-0.3, r + 0.5, name, ha="right", va="center", fontsize=8, family="monospace")
         for t, v in enumerate(values):
-            color = request_color(request_ids[owner[t]])
+            color = colors[request_ids[owner[t]]]
             cell = Rectangle((t, r), 0.95, 0.95, facecolor=color, alpha=0.35, edgecolor="#555555",
                              linewidth=0.4)
             cell.set_gid(f"{name}:{t}")
@@ -197,7 +200,7 @@ def plot_flat_batch(
                 fontsize=8, va="center")
         for j, b in enumerate(tables[s]):
             cell = Rectangle((0.9 * j, y + 0.45), 0.85, 0.8,
-                             facecolor=request_color(request_ids[s]) if j < real else "white",
+                             facecolor=colors[request_ids[s]] if j < real else "white",
                              edgecolor="#555555", linewidth=0.5, alpha=0.8 if j < real else 1.0)
             cell.set_gid(f"table:{s}:{j}")
             ax.add_patch(cell)
@@ -207,7 +210,7 @@ def plot_flat_batch(
     ax.set_xlim(-7.5, max(n, 0.9 * width, 24) + 0.5)
     ax.set_ylim(y0 + 2.0 * nseq, -0.8)
     ax.axis("off")
-    handles = [Patch(facecolor=request_color(r), alpha=0.5, label=f"request {short_id(r)}") for r in request_ids]
+    handles = [Patch(facecolor=colors[r], alpha=0.5, label=f"request {short_id(r)}") for r in request_ids]
     handles.append(Line2D([], [], color="black", marker="*", linestyle="", label="logits computed"))
     handles.append(Line2D([], [], color="black", linestyle="--", label="a new cache block begins"))
     handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))

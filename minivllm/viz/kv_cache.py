@@ -23,6 +23,7 @@ from minivllm.viz.style import (
     _request_key,
     request_color,
     short_id,
+    trace_colors,
 )
 
 # -- the paged KV cache ---------------------------------------------------------------
@@ -75,12 +76,13 @@ def plot_block_table(
     shown = _blocks_shown(trace, ncols)
     nrows = math.ceil(shown / ncols)
     owners = block_owners(record)
+    colors = trace_colors(trace)
 
     for b in range(shown):
         row, col = divmod(b, ncols)
         who = owners.get(b)
         refs = record.block_ref_counts.get(b, len(who) if who else 0)
-        face = request_color(who[0]) if who else FREE_COLOR
+        face = colors.get(who[0], request_color(who[0])) if who else FREE_COLOR
         rect = Rectangle((col, row), 0.92, 0.92, facecolor=face, edgecolor="#555555",
                          linewidth=0.6, hatch="xx" if refs > 1 else None)
         rect.set_gid(f"block:{b}")
@@ -97,7 +99,7 @@ def plot_block_table(
     map_top = nrows + 0.8
     if request_id is not None and request_id in running:
         table = running[request_id]
-        color = request_color(request_id)
+        color = colors.get(request_id, request_color(request_id))
         width = min(1.0, ncols / len(table) / 1.1)  # the whole table fits one row
         for i, b in enumerate(table):
             x = i * width * 1.1
@@ -130,7 +132,7 @@ def plot_block_table(
                  f"({100 * record.kv_cache_usage:.0f}%)\nblock size {trace.block_size}; "
                  f"colour = owning request, grey = free, hatched = shared (ref > 1)", fontsize=10)
     if legend:
-        _request_key(ax, list(running), below=True)
+        _request_key(ax, list(running), below=True, colors=colors)
     return fig
 
 

@@ -4,7 +4,7 @@ key, the fixed figure sizes, and the small helpers every drawing module uses."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
@@ -56,6 +56,25 @@ def request_color(request_id: str) -> tuple[float, float, float]:
     return _PALETTE[key % len(_PALETTE)]
 
 
+def request_colors(request_ids: Iterable[str]) -> dict[str, tuple[float, float, float]]:
+    """A colour for each of these requests, all different up to 18 requests: numeric ids
+    keep :func:`request_color`'s; other ids (a server's ``chatcmpl-...``, whose hashes
+    would collide) take the colours left over, in the order given."""
+    ids = list(dict.fromkeys(request_ids))
+    colors = {r: request_color(r) for r in ids if r.isdigit()}
+    left = [c for c in _PALETTE if c not in set(colors.values())] or list(_PALETTE)
+    named = [r for r in ids if not r.isdigit()]
+    colors.update({r: left[k % len(left)] for k, r in enumerate(named)})
+    return colors
+
+
+def trace_colors(trace: Trace) -> dict[str, tuple[float, float, float]]:
+    """:func:`request_colors` for every request of a trace, in order of arrival, so that
+    all figures of one trace agree."""
+    scheduled = (c.request_id for record in trace.steps for c in record.scheduled)
+    return request_colors([*trace.requests, *scheduled])
+
+
 def short_id(request_id: str, width: int = 12) -> str:
     """A request id as figures print it: whole up to ``width`` characters, else its first
     three and its last characters (a server's ids are 40 characters, ``chatcmpl-`` and
@@ -105,10 +124,12 @@ def _get_step(trace: Trace, step: int) -> StepRecord:
         raise IndexError(f"step {step} is out of range: the trace holds {len(trace.steps)} steps") from None
 
 
-def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False) -> None:
-    """The key from colour to request: beside the axes, or ``below`` it (a note instead
-    when there are too many requests to name)."""
+def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False,
+                 colors: dict[str, tuple[float, float, float]] | None = None) -> None:
+    """The key from colour to request (``colors``, default :func:`request_colors`): beside
+    the axes, or ``below`` it (a note instead when there are too many requests to name)."""
     ids = list(dict.fromkeys(request_ids))
+    colors = colors if colors is not None else request_colors(ids)
     if not ids:
         return
     if len(ids) > MAX_KEYED_REQUESTS:
@@ -116,7 +137,7 @@ def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False) -> N
                 f"colour = request ({len(ids)} requests)", transform=ax.transAxes, fontsize=7,
                 va="top")
         return
-    handles = [Patch(facecolor=request_color(r), label=short_id(r)) for r in ids]
+    handles = [Patch(facecolor=colors.get(r, request_color(r)), label=short_id(r)) for r in ids]
     if below:
         place = dict(loc="upper left", bbox_to_anchor=(0.0, 0.0), ncol=min(len(ids), 12))
     else:

@@ -18,7 +18,8 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     _new_axes,
     _note_time_source,
-    request_color,
+    short_id,
+    trace_colors,
 )
 
 
@@ -91,6 +92,7 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     order = sorted(trace.requests, key=lambda r: trace.requests[r].arrival_time)
     t0 = min(m.arrival_time for m in trace.requests.values())
     spans = request_spans(trace)
+    arrival_colors = trace_colors(trace)
     colors = {"waiting": WAITING_COLOR, "prefill": PREFILL_COLOR, "decode": DECODE_COLOR,
               "preempted": PREEMPTED_COLOR}
     for row, rid in enumerate(order):
@@ -104,9 +106,9 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
         if m.token_times:
             ax.plot([t - t0 for t in m.token_times], [row] * len(m.token_times), "|",
                     color="black", markersize=9, gid=f"tokens:{rid}")
-        ax.plot([m.arrival_time - t0], [row], marker="o", color=request_color(rid), markersize=5,
+        ax.plot([m.arrival_time - t0], [row], marker="o", color=arrival_colors[rid], markersize=5,
                 markeredgecolor="black", markeredgewidth=0.5, gid=f"arrival:{rid}")
-    ax.set_yticks(range(len(order)), labels=order if len(order) <= 40 else None)
+    ax.set_yticks(range(len(order)), labels=[short_id(r) for r in order] if len(order) <= 40 else None)
     if len(order) > 40:
         ax.set_yticks([])
     ax.set_ylim(len(order) - 0.5, -0.5)  # first arrival on top
