@@ -121,7 +121,8 @@ REMOVED_FIELDS = {
     "guided_choice": '"structured_outputs": {"choice": [...]}',
     "guided_grammar": '"structured_outputs": {"grammar": ...}',
     "guided_decoding_backend": "nothing (xgrammar is the only backend)",
-    "guided_whitespace_pattern": '"structured_outputs": {"disable_any_whitespace": true}',
+    "guided_whitespace_pattern": ('nothing that sets a pattern here; "structured_outputs": '
+                                  '{"disable_any_whitespace": true} allows no whitespace'),
 }
 """Structured-output fields vLLM removed in v0.12 (it now ignores them, and the output
 comes back unconstrained); here they are refused with what to send instead."""

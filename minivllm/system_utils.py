@@ -1,7 +1,7 @@
 """How minivllm starts its own processes: the engine core, tensor-parallel workers.
 
 A new Python process pays for its imports before it runs a line of ours: torch and
-transformers' model code take about 8 s of CPU on a laptop core. Python offers three ways
+transformers' model code took about 8 s of CPU on the 2-core AMD EPYC this was measured on. Python offers three ways
 to start a process (``multiprocessing``'s *start methods*):
 
 * ``spawn``: a fresh interpreter each time. Nothing is inherited, so it is always safe,
