@@ -85,6 +85,10 @@ html_theme_options = {
     "use_repository_button": False,
     "navigation_with_keys": False,
 }
+# The highlighted source pages (one per module, from viewcode) keep the logo and the
+# search field but not the course's navigation tree: rendering that tree is most of
+# the cost of a page, and there are five times as many source pages as course pages.
+html_sidebars = {"_modules/**": ["navbar-logo.html", "search-button-field.html"]}
 # The site's entry point, build/docs/html/index.html, leads to the home page (which
 # lives at docs/index.html because the source folder is the repository root).
 html_additional_pages = {"index": "redirect.html"}

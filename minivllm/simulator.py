@@ -35,6 +35,7 @@ that name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -313,6 +314,17 @@ class SimulatedModelRunner:
         """Nothing to forget: this runner keeps no per-request state."""
 
 
+@functools.lru_cache(maxsize=4)
+def stand_in_model(vocab_size: int, max_position_embeddings: int) -> torch.nn.Module:
+    """The simulated engine's model: one layer of width 8, never run. Shared by every
+    simulated engine of the same vocabulary and length (a sweep makes hundreds of
+    engines, and building a random model each time cost about a tenth of the sweep)."""
+    return make_tiny_model(
+        "llama", vocab_size=vocab_size, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=max_position_embeddings,
+    )
+
+
 def make_simulated_engine(cost_model: CostModel | None = None, **config: object) -> LLMEngine:
     """An :class:`LLMEngine` whose runner is simulated and whose clock is virtual.
 
@@ -334,11 +346,7 @@ def make_simulated_engine(cost_model: CostModel | None = None, **config: object)
     model_max_len = int(meta.get("max_position_embeddings", 8192))
     size = size_kv_cache(cfg, int(meta.get("kv_bytes_per_token", 46080)), model_max_len)
     cfg.num_kv_blocks, cfg.max_model_len = size.num_blocks, size.max_model_len
-    tiny = make_tiny_model(
-        "llama", vocab_size=int(meta.get("vocab_size", 49152)), hidden_size=8, intermediate_size=8,
-        num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
-        max_position_embeddings=model_max_len,
-    )
+    tiny = stand_in_model(int(meta.get("vocab_size", 49152)), model_max_len)
     clock = VirtualClock()
     token = (eos_token_id(tiny, None) or 0) + 1  # never EOS: lengths are exactly max_tokens
     runner = SimulatedModelRunner(cost_model, clock, token_id=token)
