@@ -498,9 +498,17 @@ def overflow(fig: Figure) -> tuple[float, float]:
     pictures do) grows the picture by, or what a fixed-size picture clips."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    from matplotlib.legend import Legend
+    from matplotlib.transforms import Bbox
+
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
-    tight = fig.get_tightbbox(canvas.get_renderer())
+    renderer = canvas.get_renderer()
+    # Every key counts, also one the tight box leaves out because it is clipped to its
+    # axes (an artist added with add_artist is): such a key is cut off the picture.
+    keys = [k.get_window_extent(renderer).transformed(fig.dpi_scale_trans.inverted())
+            for k in fig.findobj(Legend)]
+    tight = Bbox.union([fig.get_tightbbox(renderer), *keys])
     w, h = fig.get_size_inches()
     return max(0.0, tight.x1 - w, -tight.x0), max(0.0, tight.y1 - h, -tight.y0)
 
@@ -530,6 +538,7 @@ def test_long_request_ids_stay_inside_the_figure(tiny_model):
 FIGURES = {  # each trace-drawing figure, with the arguments it needs besides the trace
     "plot_batch_composition": lambda t: viz.plot_batch_composition(t),
     "plot_block_table": lambda t: viz.plot_block_table(t, 1),
+    "plot_block_table, a request's table": lambda t: viz.plot_block_table(t, 1, request_id="3"),
     "plot_kv_usage": lambda t: viz.plot_kv_usage(t),
     "plot_latency": lambda t: viz.plot_latency(t),
     "plot_ttft_breakdown": lambda t: viz.plot_ttft_breakdown(t),
@@ -540,6 +549,15 @@ FIGURES = {  # each trace-drawing figure, with the arguments it needs besides th
     "plot_architecture": lambda t: viz.plot_architecture(),
     "plot_process_split": lambda t: viz.plot_process_split(),
 }
+
+
+def test_a_full_pools_block_table_keeps_its_key_on_the_picture(tiny_model):
+    """Notebook 07's picture: eight rows of blocks fill the figure's height, and the key
+    below the request's table was cut off the saved picture (it was left out of the
+    tight box because it was clipped to the axes)."""
+    trace = run(tiny_model, [20] * 8, 3, shared_prefix=list(range(176)), block_size=16,
+                num_kv_blocks=128, max_num_batched_tokens=2048)
+    assert overflow(viz.plot_block_table(trace, 0, request_id="3")) == (0.0, 0.0)
 
 
 @pytest.mark.parametrize("name", list(FIGURES))

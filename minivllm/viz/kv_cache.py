@@ -114,7 +114,7 @@ def plot_block_table(
             ax.annotate("", xy=(col + 0.46, row + 0.92), xytext=(x + width * 0.46, map_top),
                         arrowprops=dict(arrowstyle="->", color=color, lw=0.9, alpha=0.8))
         caption = (f"block table of request {short_id(request_id)}: logical block Li -> physical block "
-                   f"{table if len(table) <= 12 else table[:12] + ['...']}")
+                   f"[{', '.join(map(str, table[:12]))}{', ...' if len(table) > 12 else ''}]")
     elif request_id is not None:
         caption = f"request {short_id(request_id)} holds no blocks after this step"
     else:

@@ -144,6 +144,10 @@ def _request_key(ax: Axes, request_ids: Sequence[str], below: bool = False,
         place = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if len(ids) <= 12 else 2)
     # An extra legend artist (not ax.legend) so that the axes keeps its own legend slot
     # for the style key (prefill / decode / budget) beside it.
-    ax.add_artist(Legend(ax, handles, [h.get_label() for h in handles], title="request (colour)",
-                         fontsize=7, title_fontsize=7, handlelength=1.0, borderaxespad=0.0,
-                         columnspacing=0.8, **place))
+    key = Legend(ax, handles, [h.get_label() for h in handles], title="request (colour)",
+                 fontsize=7, title_fontsize=7, handlelength=1.0, borderaxespad=0.0,
+                 columnspacing=0.8, **place)
+    ax.add_artist(key)
+    # add_artist clips an artist to the axes, and layouts and bbox_inches="tight" leave
+    # out what is clipped to the axes: a key outside them would be cut off the picture.
+    key.set_clip_on(False)
