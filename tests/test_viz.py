@@ -497,8 +497,6 @@ def overflow(fig: Figure) -> tuple[float, float]:
     what ``savefig(bbox_inches="tight")`` (as ``viz.save_figure`` and Jupyter's inline
     pictures do) grows the picture by, or what a fixed-size picture clips."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    from matplotlib.legend import Legend
     from matplotlib.transforms import Bbox
 
     canvas = FigureCanvasAgg(fig)
@@ -562,9 +560,57 @@ def test_a_full_pools_block_table_keeps_its_key_on_the_picture(tiny_model):
 
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_figures_draw_inside_their_own_size(name, tiny_model):
-    """Nothing a figure draws (a title, a key, a label) reaches past the figure's edge:
-    the layout guard behind the reviews' clipped keys and over-wide pictures. Ten
+    """Nothing a figure draws (a title, a key, a label) reaches past the figure's edge,
+    and no key covers a data point: the layout guard behind the reviews' clipped keys,
+    over-wide pictures and keys over lines. Ten
     requests with a shared prefix, so keys, block tables and timelines have rows to show."""
     trace = run(tiny_model, [5 + 3 * i for i in range(10)], 4, shared_prefix=list(range(8)),
                 num_kv_blocks=40, max_num_batched_tokens=24)
-    assert overflow(FIGURES[name](trace)) == (0.0, 0.0)
+    fig = FIGURES[name](trace)
+    assert overflow(fig) == (0.0, 0.0)
+    assert points_under_keys(fig) == []
+
+
+def points_under_keys(fig: Figure) -> list[tuple[str, float, float]]:
+    """Every data point (a line's vertex, a scatter's marker) that a key is drawn over:
+    (the line's label, x, y). A key placed inside the axes covers data the moment a
+    line runs into its corner (the reviews' notebooks 09, 12 and 14)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.collections import PathCollection
+    from matplotlib.lines import Line2D
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = [k.get_window_extent(renderer) for k in fig.findobj(Legend)]
+    covered = []
+    for ax in fig.axes:
+        for artist in [*ax.lines, *ax.collections]:
+            if isinstance(artist, Line2D):
+                xy = artist.get_xydata()
+            elif isinstance(artist, PathCollection):
+                xy = artist.get_offsets()
+            else:
+                continue
+            for x, y in ax.transData.transform(xy):
+                if any(b.contains(x, y) for b in boxes):
+                    covered.append((artist.get_label(), float(x), float(y)))
+    return covered
+
+
+def test_the_sweep_and_rate_figures_keep_their_keys_off_the_data():
+    """Lines that run into every corner: the keys go under the panels, covering nothing."""
+    from minivllm.bench.latency import LatencyPoint, plot_latency_vs_rate
+    from minivllm.cluster_simulator import SweepRow
+
+    rows = [SweepRow(policy=p, num_replicas=n, num_requests=8, hit_rate=h, mean_ttft=m * scale,
+                     p50_ttft=m * scale, p99_ttft=q * scale, throughput=1.0, min_requests=1, max_requests=2,
+                     wall_seconds=0.0)
+            for p, scale in (("round_robin", 1.0), ("least_outstanding", 0.9), ("prefix_aware", 0.5))
+            for n, h, m, q in ((1, 0.2, 0.4, 1.2), (2, 0.9, 0.3, 1.1), (4, 0.1, 0.1, 1.15), (8, 0.95, 0.35, 1.2))]
+    assert points_under_keys(viz.plot_cluster_sweep(rows)) == []
+    # Latencies and throughput that grow with the rate, into the upper right corners.
+    points = [LatencyPoint(rate=r, num_requests=8, duration_s=1.0, throughput=r ** 2, ttft_p50=r,
+                           ttft_p99=r ** 2, itl_p50=r, itl_p99=r ** 2, e2e_p50=r, e2e_p99=r ** 2)
+              for r in (0.5, 1.0, 2.0, 4.0)]
+    assert points_under_keys(plot_latency_vs_rate(points)) == []

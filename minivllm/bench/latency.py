@@ -100,24 +100,38 @@ def plot_latency_vs_rate(points: Sequence[LatencyPoint], axes=None):
     import matplotlib.pyplot as plt
 
     if axes is None:
-        fig, axes = plt.subplots(1, 4, figsize=(12, 3))
+        fig, axes = plt.subplots(1, 4, figsize=(12, 3.3), layout="constrained")
     else:
         fig = axes[0].figure
     rates = [p.rate for p in points]
     for ax, key, title in zip(axes, ("ttft", "itl", "e2e"), ("TTFT", "ITL", "end-to-end")):
-        ax.plot(rates, [getattr(p, f"{key}_p50") for p in points], "o-", label="p50")
-        ax.plot(rates, [getattr(p, f"{key}_p99") for p in points], "s--", label="p99")
+        ax.plot(rates, [getattr(p, f"{key}_p50") for p in points], "o-", color="tab:blue", label="p50")
+        ax.plot(rates, [getattr(p, f"{key}_p99") for p in points], "s--", color="tab:orange", label="p99")
         ax.set_title(f"{title} (s)", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
-        ax.legend(fontsize=8)
-    axes[3].plot(rates, [p.throughput for p in points], "o-", color="tab:green")
+    axes[3].plot(rates, [p.throughput for p in points], "o-", color="tab:green", label="output tokens / s")
     axes[3].set_title("output tokens / s", fontsize=9)
     axes[3].set_xlabel("request rate (req/s)")
     sources = sorted({p.time_source for p in points if p.time_source})
     if sources:
         fig.suptitle("times: " + "; ".join(sources), fontsize=8, color="0.25")
-    fig.tight_layout()
+    # One key for all four panels, under them: inside, the p99 lines climb into any corner.
+    latency_key(fig)
     return fig
+
+
+def latency_key(fig) -> None:
+    """(Re)draw the key of :func:`plot_latency_vs_rate` under its panels, from what they
+    hold now (a notebook may have added points), each label once."""
+    for old in list(fig.legends):
+        old.remove()
+    handles = {}
+    for ax in fig.axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    constrained = type(fig.get_layout_engine()).__name__ == "ConstrainedLayoutEngine"
+    place = dict(loc="outside lower center") if constrained else dict(loc="upper center", bbox_to_anchor=(0.5, 0.0))
+    fig.legend(handles.values(), handles.keys(), ncol=len(handles), fontsize=8, **place)
 
 
 # -- chunked prefill: one long prompt among decodes ---------------------------------------
