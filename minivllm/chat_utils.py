@@ -9,8 +9,8 @@ only text parts (``{"type": "text", "text": "..."}``) are accepted, joined with 
 vLLM does; an image part is refused, not dropped (the model would otherwise answer a
 message it never saw).
 
-In vLLM: ``vllm/entrypoints/chat_utils.py`` (``parse_chat_messages``,
-``apply_hf_chat_template``).
+In vLLM (0.34): ``vllm/renderers/chat_utils/`` (``parse_chat_messages``; the chat
+template in ``chat_template.py``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ endpoint runs or whatever it answers.
 Both are plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would get in
 the way of streaming and of noticing client disconnects.
 
-In vLLM: the ``AuthenticationMiddleware`` and request-size checks in
-``vllm/entrypoints/openai/api_server.py``.
+In vLLM (0.34): ``AuthenticationMiddleware`` and the other middleware in
+``vllm/entrypoints/serve/middleware/``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Tokenizing and templating take time in proportion to the text but touch no engin
 and hands the :class:`ProcessedPrompt` to ``LLMEngine.add_request``, which then neither
 tokenizes it again nor re-checks its ids.
 
-In vLLM: ``vllm/v1/engine/processor.py`` (``Processor.process_inputs``).
+In vLLM (0.34): ``vllm/v1/engine/input_processor.py`` (``InputProcessor.process_inputs``).
 """
 
 from __future__ import annotations

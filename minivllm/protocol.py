@@ -17,7 +17,8 @@ Errors have one shape, OpenAI's ``{"error": {"message", "type", "param", "code"}
 (:class:`ErrorResponse`): the server raises an :class:`APIError` wherever it refuses
 something, and the app answers it in that shape.
 
-In vLLM: ``vllm/entrypoints/openai/protocol.py``.
+In vLLM (0.34): ``protocol.py`` beside each endpoint's serving code, e.g.
+``vllm/entrypoints/openai/chat_completion/protocol.py``.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ module wires them into a FastAPI app and runs it. Every failure gets OpenAI's er
 No request can take the server down: bad input is refused before it reaches the engine,
 and what fails inside the engine for one request ends that request only.
 
-In vLLM: ``vllm/entrypoints/openai/api_server.py`` and ``serving_chat.py`` /
-``serving_completion.py``; ``vllm serve --api-key`` is the same flag.
+In vLLM (0.34): ``vllm/entrypoints/launchers/`` (``app.py``: ``build_app``) and the
+endpoints' ``vllm/entrypoints/openai/*/serving.py``; ``vllm serve --api-key`` is the same flag.
 """
 
 from __future__ import annotations

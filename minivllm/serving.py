@@ -9,7 +9,8 @@ the :class:`~minivllm.async_engine.AsyncLLMEngine`, then either stream chunks (:
 or wait for the last output and answer once. Every refusal is an
 :class:`~minivllm.protocol.APIError`, which the app turns into OpenAI's error shape.
 
-In vLLM: ``vllm/entrypoints/openai/serving_completion.py`` and ``serving_chat.py``.
+In vLLM (0.34): ``vllm/entrypoints/openai/completion/serving.py`` and
+``chat_completion/serving.py``.
 """
 
 from __future__ import annotations

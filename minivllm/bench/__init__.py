@@ -39,6 +39,7 @@ from minivllm.bench.latency import (
     latency_benchmark,
     latency_point,
     plot_chunked_prefill,
+    latency_key,
     plot_latency_vs_rate,
 )
 from minivllm.bench.linear import linear_benchmark
@@ -70,7 +71,7 @@ __all__ = [
     "format_latency_table", "format_memory_report", "format_priority_table", "priority_benchmark",
     "priority_workload", "format_simulation", "kv_memory_report",
     "kv_slots_held", "latency_benchmark", "latency_point", "linear_benchmark", "load_tokenizer",
-    "plot_chunked_prefill", "plot_cost_model_fit", "plot_latency_vs_rate", "plot_memory",
+    "plot_chunked_prefill", "plot_cost_model_fit", "latency_key", "plot_latency_vs_rate", "plot_memory",
     "plot_throughput", "prefix_caching_benchmark", "replay_workload", "run_hf_continuous",
     "run_hf_generate", "run_hf_static", "run_minivllm", "throughput_benchmark",
 ]

@@ -16,5 +16,6 @@ the same distribution).
 The scheduler counts drafts in the token budget and gives them KV slots; after the step
 it rolls ``num_computed_tokens`` back over the rejected ones (``Scheduler.update_from_output``).
 
-In vLLM: ``vllm/v1/spec_decode/`` and ``vllm/v1/sample/rejection_sampler.py``.
+In vLLM (0.34): ``vllm/v1/worker/gpu/spec_decode/`` (the speculators and
+``rejection_sampler.py``) and ``vllm/v1/spec_decode/metrics.py``.
 """

@@ -7,9 +7,9 @@ appeared, and proposes the (up to) ``k`` tokens that followed them there. It tri
 longest ``n`` first (``prompt_lookup_max`` down to ``prompt_lookup_min``): a longer match
 is better evidence. No second model, no training: a few list comparisons per request.
 
-In vLLM: ``vllm/v1/spec_decode/ngram_proposer.py`` (``NgramProposer.propose``), which
-also looks for the longest suffix n-gram within ``[prompt_lookup_min, prompt_lookup_max]``
-(compiled with numba). Which occurrence wins a tie here (the most recent) is this
+In vLLM (0.34): ``vllm/v1/worker/gpu/spec_decode/ngram/speculator.py``
+(``NgramGPUSpeculator``, method "ngram"), which also looks for the longest suffix n-gram
+within ``[prompt_lookup_min, prompt_lookup_max]`` (a Triton kernel on the GPU). Which occurrence wins a tie here (the most recent) is this
 module's choice, not checked against vLLM's.
 """
 

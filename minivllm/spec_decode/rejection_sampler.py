@@ -17,8 +17,8 @@ between 1 and k + 1 tokens, and never fewer than plain decoding.
   all its mass on the draft token ``d``, so the rule becomes "accept with probability
   ``p(d)``; else draw from ``p`` with ``d`` removed and renormalized".
 
-In vLLM: ``vllm/v1/sample/rejection_sampler.py`` (batched on the GPU with Triton; the
-n-gram case is its "draft_probs is None" path).
+In vLLM (0.34): ``vllm/v1/worker/gpu/spec_decode/rejection_sampler.py`` (batched on the
+GPU with Triton).
 """
 
 from __future__ import annotations
