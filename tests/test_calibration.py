@@ -19,7 +19,21 @@ from minivllm.simulator import (
 
 @pytest.fixture
 def empty_cache(tmp_path, monkeypatch):
-    """A model cache with no calibration in it, and a process that has warned of nothing."""
+    """A model cache with no calibration in it, and a process that has warned of nothing.
+
+    The model converted in the real cache is linked in and its measured linear plans
+    copied: the calibration under test needs no cost model of its own, and converting
+    the GGUF again was half of this module's time."""
+    import shutil
+
+    from minivllm.linear import PLAN_FILE
+    from minivllm.model_loader import DEFAULT_MODEL, cache_root
+
+    real = cache_root()
+    if (real / DEFAULT_MODEL).is_dir():
+        (tmp_path / DEFAULT_MODEL).symlink_to(real / DEFAULT_MODEL, target_is_directory=True)
+    if (real / PLAN_FILE).is_file():
+        shutil.copy(real / PLAN_FILE, tmp_path / PLAN_FILE)
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     monkeypatch.setattr(simulator, "_warned", set())
     return tmp_path
