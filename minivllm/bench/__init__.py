@@ -37,9 +37,9 @@ from minivllm.bench.latency import (
     chunked_prefill_benchmark,
     format_latency_table,
     latency_benchmark,
+    latency_key,
     latency_point,
     plot_chunked_prefill,
-    latency_key,
     plot_latency_vs_rate,
 )
 from minivllm.bench.linear import linear_benchmark
