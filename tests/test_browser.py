@@ -120,8 +120,8 @@ def site_errors(driver, base: str) -> list[str]:
             if e["level"] == "SEVERE" and base in e["message"]]
 
 
-def test_site_pages_load_with_their_figures_and_no_errors(browser) -> None:
-    site = build_site()
+def test_site_pages_load_with_their_figures_and_no_errors(browser, tmp_path_factory) -> None:
+    site = build_site(tmp_path_factory)
     with serve(site) as base:
         open_page(browser, base)  # the entry point leads to the home page
         WebDriverWait(browser, 30).until(lambda d: d.current_url.endswith("/docs/index.html"))
@@ -256,6 +256,13 @@ def first_printed_words(nb: dict) -> str:
     raise AssertionError("notebook 00 prints nothing")
 
 
+# The sources of a cell's widget pictures that have loaded (naturalWidth > 0).
+DRAWN_PICTURES = """
+return Array.from(arguments[0].querySelectorAll('.widget-output img'))
+    .filter(img => img.complete && img.naturalWidth > 0).map(img => img.src);
+"""
+
+
 def test_jupyterlab_runs_notebook_00_and_renders_a_widget(browser, tmp_path: Path) -> None:
     nb = json.loads(QUICKSTART.read_text())
     last = cells_to_run(nb)
@@ -282,15 +289,15 @@ def test_jupyterlab_runs_notebook_00_and_renders_a_widget(browser, tmp_path: Pat
         cell = WebDriverWait(browser, 60).until(lambda d: d.execute_script(CELL_NODE, last + 1))
         slider = WebDriverWait(browser, 120).until(
             lambda d: cell.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle"))[0]
-        first_img = WebDriverWait(browser, 60).until(
-            lambda d: cell.find_elements(By.CSS_SELECTOR, ".widget-output img"))[0]
-        WebDriverWait(browser, 30).until(
-            lambda d: d.execute_script("return arguments[0].naturalWidth", first_img) > 0)
-        first_src = first_img.get_attribute("src")
+        # The widget's output area clears and redraws its picture, so an <img> found
+        # one moment can be gone the next (a StaleElementReferenceException failed CI
+        # once): the pictures are read in one script, inside the page.
+        drawn = WebDriverWait(browser, 60).until(
+            lambda d: d.execute_script(DRAWN_PICTURES, cell))
+        first_src = drawn[0]
         screenshot(browser, "jupyterlab_00_quickstart.png")
         # Move the slider one step: the kernel redraws the picture for that step.
         slider.send_keys(Keys.ARROW_RIGHT)
         WebDriverWait(browser, 60).until(lambda d: any(
-            img.get_attribute("src") != first_src
-            for img in cell.find_elements(By.CSS_SELECTOR, ".widget-output img")))
+            src != first_src for src in d.execute_script(DRAWN_PICTURES, cell)))
         screenshot(browser, "jupyterlab_00_quickstart_step1.png")

@@ -10,16 +10,13 @@ Deselect with `-m "not docs"`.
 from __future__ import annotations
 
 import argparse
-import atexit
 import copy
 import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -45,10 +42,7 @@ NO_NETWORK = "http://127.0.0.1:9"
 pytestmark = pytest.mark.docs
 
 
-@functools.cache
-def _build() -> tuple[Path | None, str]:
-    out = Path(tempfile.mkdtemp(prefix="minivllm-site-"))
-    atexit.register(shutil.rmtree, out, ignore_errors=True)
+def _build(out: Path) -> tuple[Path | None, str]:
     env = dict(os.environ)
     for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY",
                 "ALL_PROXY"):
@@ -62,18 +56,40 @@ def _build() -> tuple[Path | None, str]:
     return out / "html", proc.stderr
 
 
-def build_site() -> Path:
-    """The built site's folder (built on first use, shared by this module and the
-    browser tests). A failed build fails every test that needs it, with Sphinx's output."""
-    site, log = _build()
+@functools.cache
+def _build_once(root: Path) -> tuple[Path | None, str]:
+    """Build into ``root``/site unless another process of this test run has: the first
+    to take the lock builds and records the outcome, the others read it. ``make test``'s
+    two workers both need the site (this module and the browser tests) and had each
+    built it."""
+    from filelock import FileLock
+
+    out, outcome = root / "site", root / "site.json"
+    with FileLock(str(root / "site.lock")):
+        if not outcome.exists():
+            out.mkdir(exist_ok=True)
+            site, log = _build(out)
+            outcome.write_text(json.dumps({"site": site and str(site), "log": log}))
+        done = json.loads(outcome.read_text())
+    return (done["site"] and Path(done["site"])), done["log"]
+
+
+def build_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The built site's folder, built once per test run in a folder every pytest-xdist
+    worker of the run shares (the parent of each worker's own temporary folder). A
+    failed build fails every test that needs it, with Sphinx's output."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    site, log = _build_once(root)
     if site is None:
         pytest.fail(log, pytrace=False)
     return site
 
 
 @pytest.fixture(scope="module")
-def site() -> Path:
-    return build_site()
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_site(tmp_path_factory)
 
 
 @functools.cache
