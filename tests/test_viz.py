@@ -614,3 +614,30 @@ def test_the_sweep_and_rate_figures_keep_their_keys_off_the_data():
                            ttft_p99=r ** 2, itl_p50=r, itl_p99=r ** 2, e2e_p50=r, e2e_p99=r ** 2)
               for r in (0.5, 1.0, 2.0, 4.0)]
     assert points_under_keys(plot_latency_vs_rate(points)) == []
+
+
+@pytest.mark.parametrize("plot", ["plot_request_timeline", "plot_priority_timeline"])
+def test_the_simulated_times_note_sits_under_the_last_row(plot):
+    """A simulated trace's timeline names its cost model in a corner note: the note is
+    drawn below the last request's bar, not over it (notebook 09's two timelines)."""
+    from minivllm.simulator import CostModel, make_simulated_engine
+
+    engine = make_simulated_engine(CostModel.load(), max_num_seqs=4)
+    for i in range(12):  # twelve requests at once: the last ones end last, at the right
+        engine.add_request(str(i), {"prompt_token_ids": list(range(1, 40 + 8 * i))},
+                           SamplingParams(max_tokens=8 + i, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.trace.time_source
+    args = (engine.trace,) if plot == "plot_request_timeline" else (
+        engine.trace, {str(i): "early" if i < 6 else "late" for i in range(12)})
+    fig = getattr(viz, plot)(*args)
+    ax = fig.axes[0]
+    fig.draw_without_rendering()
+    note = next(t for t in ax.texts if t.get_text().startswith("times: "))
+    note_top = note.get_window_extent().y1
+    bars = [c for c in ax.collections if (c.get_gid() or "").startswith(("waiting:", "prefill:", "decode:", "ttft:", "output:"))]
+    assert bars
+    lowest_bar = min(path.transformed(c.get_transform()).get_extents().y0
+                     for c in bars for path in c.get_paths())
+    assert note_top <= lowest_bar

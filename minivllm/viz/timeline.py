@@ -111,7 +111,9 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     ax.set_yticks(range(len(order)), labels=[short_id(r) for r in order] if len(order) <= 40 else None)
     if len(order) > 40:
         ax.set_yticks([])
-    ax.set_ylim(len(order) - 0.5, -0.5)  # first arrival on top
+    # First arrival on top; room under the last row for the note naming where simulated
+    # times came from, which would otherwise sit on the last arrivals' bars.
+    ax.set_ylim(len(order) - 0.5 + (0.08 * len(order) if trace.time_source else 0), -0.5)
     ax.set_xlabel("seconds since the first arrival")
     ax.set_ylabel("request")
     handles = [Patch(facecolor=c, label=k, hatch="xx" if k == "preempted" else None)
