@@ -106,6 +106,13 @@ def _new_axes(ax: Axes | None, size: tuple[float, float]) -> tuple[Figure, Axes]
     return fig, fig.add_subplot()
 
 
+def _set_row_limits(ax: Axes, num_rows: int, source: str | None) -> None:
+    """Rows top to bottom (the first on top), with room under the last one for
+    :func:`_note_time_source`'s note when there is one, so it never sits on the last
+    rows' bars."""
+    ax.set_ylim(num_rows - 0.5 + (0.08 * num_rows if source else 0), -0.5)
+
+
 def _note_time_source(ax: Axes, source: str | None) -> None:
     """Times that are not this machine's wall clock say where they came from (a
     simulated run names its cost model, ``Trace.time_source``), in the axes' corner."""

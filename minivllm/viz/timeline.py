@@ -18,6 +18,7 @@ from minivllm.viz.style import (
     WAITING_COLOR,
     _new_axes,
     _note_time_source,
+    _set_row_limits,
     short_id,
     trace_colors,
 )
@@ -111,9 +112,7 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     ax.set_yticks(range(len(order)), labels=[short_id(r) for r in order] if len(order) <= 40 else None)
     if len(order) > 40:
         ax.set_yticks([])
-    # First arrival on top; room under the last row for the note naming where simulated
-    # times came from, which would otherwise sit on the last arrivals' bars.
-    ax.set_ylim(len(order) - 0.5 + (0.08 * len(order) if trace.time_source else 0), -0.5)
+    _set_row_limits(ax, len(order), trace.time_source)  # first arrival on top
     ax.set_xlabel("seconds since the first arrival")
     ax.set_ylabel("request")
     handles = [Patch(facecolor=c, label=k, hatch="xx" if k == "preempted" else None)
@@ -168,9 +167,7 @@ def plot_priority_timeline(trace: Trace, groups: Mapping[str, str], ax: Axes | N
         if lost:
             ax.broken_barh(lost, (row - 0.35, 0.7), facecolors="none", edgecolors=PREEMPTED_COLOR,
                            hatch="xx", gid=f"preempted:{rid}")
-    # Room under the last row for the note naming where simulated times came from, which
-    # would otherwise sit on the last arrivals' bars.
-    ax.set_ylim(len(order) - 0.5 + (0.08 * len(order) if trace.time_source else 0), -0.5)
+    _set_row_limits(ax, len(order), trace.time_source)  # first arrival on top
     ax.set_yticks([])
     ax.set_xlabel("seconds since the first arrival")
     ax.set_ylabel("requests, by arrival")
