@@ -4,10 +4,12 @@ scripted run whose schedule is worked out by hand below."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
+from figure_layout import layout_problems, overflow, points_under_keys
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.legend import Legend
@@ -492,25 +494,6 @@ def test_priority_timelines_side_by_side_share_time_and_one_key(tiny_model):
         viz.plot_priority_timelines({}, groups)
 
 
-def overflow(fig: Figure) -> tuple[float, float]:
-    """How far (inches: width, height) what the figure draws reaches past its own size:
-    what ``savefig(bbox_inches="tight")`` (as ``viz.save_figure`` and Jupyter's inline
-    pictures do) grows the picture by, or what a fixed-size picture clips."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.transforms import Bbox
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    # Every key counts, also one the tight box leaves out because it is clipped to its
-    # axes (an artist added with add_artist is): such a key is cut off the picture.
-    keys = [k.get_window_extent(renderer).transformed(fig.dpi_scale_trans.inverted())
-            for k in fig.findobj(Legend)]
-    tight = Bbox.union([fig.get_tightbbox(renderer), *keys])
-    w, h = fig.get_size_inches()
-    return max(0.0, tight.x1 - w, -tight.x0), max(0.0, tight.y1 - h, -tight.y0)
-
-
 def test_long_request_ids_stay_inside_the_figure(tiny_model):
     """A server's request ids are 40 characters: the steps figure (titles listing what ran,
     the request key) shortens them rather than growing past the page (notebook 10)."""
@@ -569,33 +552,7 @@ def test_figures_draw_inside_their_own_size(name, tiny_model):
     fig = FIGURES[name](trace)
     assert overflow(fig) == (0.0, 0.0)
     assert points_under_keys(fig) == []
-
-
-def points_under_keys(fig: Figure) -> list[tuple[str, float, float]]:
-    """Every data point (a line's vertex, a scatter's marker) that a key is drawn over:
-    (the line's label, x, y). A key placed inside the axes covers data the moment a
-    line runs into its corner (the reviews' notebooks 09, 12 and 14)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.collections import PathCollection
-    from matplotlib.lines import Line2D
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    renderer = canvas.get_renderer()
-    boxes = [k.get_window_extent(renderer) for k in fig.findobj(Legend)]
-    covered = []
-    for ax in fig.axes:
-        for artist in [*ax.lines, *ax.collections]:
-            if isinstance(artist, Line2D):
-                xy = artist.get_xydata()
-            elif isinstance(artist, PathCollection):
-                xy = artist.get_offsets()
-            else:
-                continue
-            for x, y in ax.transData.transform(xy):
-                if any(b.contains(x, y) for b in boxes):
-                    covered.append((artist.get_label(), float(x), float(y)))
-    return covered
+    assert layout_problems(fig) == []
 
 
 def test_the_sweep_and_rate_figures_keep_their_keys_off_the_data():
@@ -641,3 +598,34 @@ def test_the_simulated_times_note_sits_under_the_last_row(plot):
     lowest_bar = min(path.transformed(c.get_transform()).get_extents().y0
                      for c in bars for path in c.get_paths())
     assert note_top <= lowest_bar
+
+
+@pytest.mark.multiprocess
+def test_a_notebook_kernel_refuses_a_figure_with_a_layout_problem(tmp_path):
+    """The guard nbval's kernels run under (notebooks/conftest.py): a figure a cell shows
+    or saves with a layout problem fails that cell, whichever way the cell draws it
+    (pyplot, a Figure as the cell's value, savefig), and a clean figure passes."""
+    import nbformat
+    from figure_layout import kernel_ipython_dir
+    from nbclient import NotebookClient
+
+    cells = {
+        "clean": "import matplotlib.pyplot as plt\nfig, ax = plt.subplots()\nax.plot([1, 2], label='a')\n"
+                 "ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1))\nax.set_title('fine')",
+        "overlap": "fig, ax = plt.subplots(figsize=(3, 2))\n"
+                   "ax.set_xticks(range(3), [f'request-{i:032x}' for i in range(3)])",
+        "key over data": "from matplotlib.figure import Figure\ng = Figure()\nax = g.add_subplot()\n"
+                         "ax.plot(range(10), [5] * 10, label='flat')\nax.legend(loc='center')\ng",
+        "too wide": f"w = Figure(figsize=(30, 2))\nw.add_subplot().set_title('wide')\nw.savefig({str(tmp_path / 'w.png')!r})",
+    }
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells.values()])
+    env = {**os.environ, "IPYTHONDIR": kernel_ipython_dir()}
+    env.pop("MPLBACKEND", None)
+    NotebookClient(nb, timeout=120, allow_errors=True, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute(env=env)
+    errors = {name: [o for o in cell.outputs if o.output_type == "error"]
+              for name, cell in zip(cells, nb.cells)}
+    assert errors["clean"] == [], errors["clean"]
+    for name, says in (("overlap", "texts overlap"), ("key over data", "a key covers"), ("too wide", "px wide")):
+        assert [e.ename for e in errors[name]] == ["FigureLayoutError"], (name, errors[name])
+        assert says in errors[name][0].evalue, errors[name][0].evalue

@@ -38,7 +38,7 @@ _ARCHITECTURE_FLOW = [
     ("engine", "scheduler", "1 schedule()", 0.0), ("scheduler", "kv", "allocate / free blocks", 0.0),
     ("engine", "runner", "2 execute", 0.0), ("runner", "attention", "forward", 0.0),
     ("attention", "sampler", "logits", 0.0), ("sampler", "engine", "3 new tokens", 0.2),
-    ("engine", "detokenizer", "4 new token ids, each step", 0.0), ("detokenizer", "server", "stream", 0.0),
+    ("engine", "detokenizer", "4 new token ids,\neach step", 0.0), ("detokenizer", "server", "stream", 0.0),
     ("detokenizer", "llm", "RequestOutput", -0.2),
 ]
 # The boundary of the engine core process of ``minivllm serve`` (x0, y0, x1, y1): the
