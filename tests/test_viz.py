@@ -188,9 +188,12 @@ def test_request_timeline_one_row_per_request(trace):
     assert s["1"]["prefill"] == [pytest.approx((steps[0].start, steps[2].start - steps[0].start))]
     assert s["1"]["decode"][0][0] == steps[2].start
     assert s["1"]["decode"][0][0] + s["1"]["decode"][0][1] == pytest.approx(steps[3].end)
-    # The legend explains every mark: phases, the token tick and the arrival dot.
+    # The legend explains every mark: the phases this run has (no preemption here, so no
+    # "preempted"), the token tick and the arrival dot.
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert {"waiting", "prefill", "decode", "preempted", "output token"} <= set(labels)
+    phases = [k for k in ("waiting", "prefill", "decode", "preempted") if any(s[k] for s in viz.request_spans(trace).values())]
+    assert "preempted" not in phases and {"prefill", "decode"} <= set(phases)
+    assert labels[:len(phases)] == phases and "output token" in labels
     assert any(lbl.startswith("arrival") for lbl in labels)
     arrivals = {line.get_gid() for line in ax.get_lines() if (line.get_gid() or "").startswith("arrival")}
     assert arrivals == {"arrival:0", "arrival:1"}
@@ -246,6 +249,8 @@ def test_kv_usage_and_preemptions(tiny_model):
     spans = viz.request_spans(trace)
     victims = {rid for s in trace.steps for rid in s.preempted}
     assert {rid for rid, sp in spans.items() if sp["preempted"]} == victims
+    keyed = [t.get_text() for t in viz.plot_request_timeline(trace).axes[0].get_legend().get_texts()]
+    assert "preempted" in keyed
 
 
 def test_memory_waste_numbers():

@@ -213,7 +213,8 @@ def plot_flat_batch(
     handles = [Patch(facecolor=colors[r], alpha=0.5, label=f"request {short_id(r)}") for r in request_ids]
     handles.append(Line2D([], [], color="black", marker="*", linestyle="", label="logits computed"))
     handles.append(Line2D([], [], color="black", linestyle="--", label="a new cache block begins"))
-    handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))
+    if any(len(t) > math.ceil(length / block_size) for t, length in zip(tables, lens)):
+        handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(f"One step's flat batch: {n} tokens of {nseq} requests, block size {block_size}",
                  fontsize=10)

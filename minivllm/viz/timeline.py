@@ -79,7 +79,7 @@ def request_spans(trace: Trace) -> dict[str, dict[str, list[tuple[float, float]]
 
 def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     """One row per request: waiting (grey), prefill (orange), decode (blue) and
-    preempted (red) spans, a tick at every output token, a dot at its arrival.
+    preempted (red) spans (the key names those the run has), a tick at every output token, a dot at its arrival.
 
     Read a request's latencies off its row: queue time is the grey bar, time to first
     token runs from its arrival dot to the first tick, and the tick spacing is the
@@ -115,15 +115,19 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     _set_row_limits(ax, len(order), trace.time_source)  # first arrival on top
     ax.set_xlabel("seconds since the first arrival")
     ax.set_ylabel("request")
-    handles = [Patch(facecolor=c, label=k, hatch="xx" if k == "preempted" else None)
-               for k, c in colors.items()]
+    # The key names the kinds of span this run has: a lesson before notebook 08 shows
+    # no "preempted" it has not taught.
+    shown = [k for k in colors if any(spans[rid][k] for rid in order)]
+    handles = [Patch(facecolor=colors[k], label=k, hatch="xx" if k == "preempted" else None)
+               for k in shown]
     handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9,
                           label="output token"))
     handles.append(Line2D([], [], color="#999999", marker="o", linestyle="", markersize=5,
                           markeredgecolor="black", markeredgewidth=0.5,
                           label="arrival (request colour)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    ax.set_title("Request timeline: waiting, prefill, decode and preempted time", fontsize=10)
+    kinds = ", ".join(shown[:-1]) + (" and " if len(shown) > 1 else "") + (shown[-1] if shown else "")
+    ax.set_title(f"Request timeline: {kinds} time", fontsize=10)
     _note_time_source(ax, trace.time_source)
     return fig
 
