@@ -165,7 +165,39 @@ def test_cli_has_bench(capsys):
         main(["bench", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "throughput" in out and "--num-requests" in out and "--tools" in out
+    assert "throughput" in out and "simulate-cluster" in out
+    # Each subcommand lists its own options, and only those (as `vllm bench SUB --help`).
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "throughput", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--num-requests" in out and "--tools" in out and "--tp-sizes" not in out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--tp-sizes", "2"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --tp-sizes" in capsys.readouterr().err
+
+
+def test_every_bench_mode_gets_what_it_reads():
+    """A mode reads only options its subcommand defines: parse each mode's defaults,
+    then look up every ``args.NAME`` its module's source mentions."""
+    import ast
+    import inspect
+
+    from minivllm.bench.cli import MODES, build_bench_parser
+
+    parser = build_bench_parser()
+    mains = {main.__name__ for main, _ in MODES.values()}
+    for mode, (main, _) in MODES.items():
+        args = parser.parse_args([mode])
+        module = inspect.getmodule(main)
+        # the mode's main and the module's helpers that take the parsed args (not another mode's main)
+        functions = [f for f in ast.walk(ast.parse(inspect.getsource(module))) if isinstance(f, ast.FunctionDef)
+                     and (f.name == main.__name__ or (f.name not in mains and "args" in {a.arg for a in f.args.args}))]
+        read = {node.attr for f in functions for node in ast.walk(f)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "args"}
+        missing = sorted(name for name in read if not hasattr(args, name))
+        assert not missing, f"bench {mode} ({module.__name__}.{main.__name__}) reads {missing}"
 
 
 @pytest.mark.real_model

@@ -1,8 +1,10 @@
-"""``minivllm bench MODE``: one flat set of options, and a table from mode to function.
+"""``minivllm bench MODE``: one subcommand per benchmark, each with only the options it reads.
 
 Each mode's ``main(args)`` lives in its own module beside the benchmark it runs, as in
-vLLM's ``vllm/benchmarks/`` (``throughput.py``, ``latency.py``, ...). Adding a mode is a
-module with a ``main`` and one line in :data:`MODES`.
+vLLM's ``vllm/benchmarks/`` (``throughput.py``, ``latency.py``, ...), and vLLM's
+``vllm bench SUB --help`` lists only that subcommand's flags; so does ``minivllm bench
+SUB --help`` here. Adding a mode is a module with a ``main`` and one line in
+:data:`MODES` naming the options it reads (from :data:`OPTIONS`).
 """
 
 from __future__ import annotations
@@ -31,89 +33,109 @@ from minivllm.bench.tools import TOOLS
 from minivllm.config import add_engine_arguments
 from minivllm.routing import ROUTING_POLICIES
 
-MODES: dict[str, Callable[[argparse.Namespace], int]] = {
-    "throughput": throughput.main,
-    "latency": latency.main,
-    "memory": memory.main,
-    "prefix": prefix_caching.main,
-    "linear": linear.main,
-    "speculative": speculative.main,
-    "priority": priority.main,
-    "roofline": roofline.main,
-    "fit-simulator": simulate.fit_main,
-    "calibrate": simulate.calibrate_main,
-    "simulate": simulate.simulate_main,
-    "simulate-cluster": cluster.main,
-    "serve": serve.main,
-    "tensor-parallel": tensor_parallel.main,
-    "router": router.main,
+ENGINE = ENGINE_SETTINGS  # --block-size, --max-num-batched-tokens, --max-num-seqs
+
+MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = {
+    # mode: (its main, the options it reads besides --model)
+    "throughput": (throughput.main, (*ENGINE, "num_requests", "seed", "rounds", "tools", "figures")),
+    "latency": (latency.main, (*ENGINE, "num_requests", "seed", "rates", "simulated",
+                               "no_chunked_prefill_check", "figures")),
+    "memory": (memory.main, ("block_size", "num_requests", "seed", "max_model_len", "figures")),
+    "prefix": (prefix_caching.main, (*ENGINE, "num_requests", "seed", "rounds")),
+    "linear": (linear.main, ("rounds",)),
+    "speculative": (speculative.main, ("block_size", "max_num_batched_tokens", "num_requests", "seed",
+                                       "workloads", "spec_rows")),
+    "priority": (priority.main, (*ENGINE, "num_requests", "seed", "num_interactive", "interactive_rate")),
+    "roofline": (roofline.main, (*ENGINE, "num_requests", "seed", "figures")),
+    "fit-simulator": (simulate.fit_main, ("num_requests", "out", "figures")),
+    "calibrate": (simulate.calibrate_main, ("num_requests",)),
+    "simulate": (simulate.simulate_main, (*ENGINE, "num_requests", "seed", "rate")),
+    "simulate-cluster": (cluster.main, (*ENGINE, "num_requests", "seed", "cluster_replicas",
+                                        "cluster_policies", "rate_per_replica", "figures")),
+    "serve": (serve.main, ("block_size", "max_num_batched_tokens", "num_requests", "seed", "concurrencies",
+                           "serve_rates", "prompt_len", "max_tokens", "serve_modes")),
+    "tensor-parallel": (tensor_parallel.main, (*ENGINE, "num_requests", "tp_sizes", "tp_max_tokens")),
+    "router": (router.main, ("block_size", "seed", "num_documents", "questions_per_document",
+                             "router_concurrency")),
+}
+
+OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings): argparse keywords
+    "num_requests": dict(type=int, default=None,
+                         help="requests in the workload (default 32; simulate: 10000; simulate-cluster: 2000)"),
+    "seed": dict(type=int, default=0, help="the workload's seed"),
+    "rounds": dict(type=int, default=3, help="interleaved rounds of each variant (median and middle half reported)"),
+    "tools": dict(default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}"),
+    "rates": dict(default="0.25,0.5,1,2", help="request rates (req/s)"),
+    "simulated": dict(action="store_true", help="use the simulator, not the model"),
+    "no_chunked_prefill_check": dict(action="store_true",
+                                     help="skip the long-prompt-among-decodes comparison"),
+    "max_model_len": dict(type=int, default=2048,
+                          help="the contiguous reservation per request (not an engine setting)"),
+    "rate": dict(type=float, default=None, help="Poisson rate (default: all at once)"),
+    "workloads": dict(default="copy,chat", help="which workloads (copy, chat)"),
+    "spec_rows": dict(default="0,2,4,8,4 (off above 4),auto",
+                      help="the rows compared, comma-separated labels of minivllm.bench.speculative.SETTINGS "
+                           "(0, the baseline, runs first in any case)"),
+    "num_interactive": dict(type=int, default=12, help="interactive chat requests in the steady stream"),
+    "interactive_rate": dict(type=float, default=1.0,
+                             help="interactive requests per second, while the batch job runs"),
+    "figures": dict(default=str(FIGURES), help="folder for the figures ('' for none)"),
+    "concurrencies": dict(default="1,8,32", help="client concurrencies"),
+    "serve_rates": dict(default="", help="a request-rate sweep, Poisson arrivals at each rate in requests "
+                                         "per second (e.g. 0.5,1,2); none by default"),
+    "prompt_len": dict(type=int, default=128, help="prompt tokens per request"),
+    "max_tokens": dict(type=int, default=64, help="output tokens per request"),
+    "serve_modes": dict(default="thread,process",
+                        help="the servers to compare (thread: engine in the server process; process: "
+                             "engine core in its own process)"),
+    "cluster_replicas": dict(default="1,2,4,8,16,32,64", help="the replica counts swept"),
+    "cluster_policies": dict(default=",".join(ROUTING_POLICIES), help="the routing policies compared"),
+    "rate_per_replica": dict(type=float, default=2.0,
+                             help="Poisson arrivals per second per replica (the rate grows with the "
+                                  "replica count, so each replica sees the same load)"),
+    "tp_sizes": dict(default="1,2,3", help="the tensor_parallel_size values compared (T=1 first)"),
+    "tp_max_tokens": dict(type=int, default=32, help="greedy output tokens per request"),
+    "num_documents": dict(type=int, default=6, help="documents in the workload"),
+    "questions_per_document": dict(type=int, default=4, help="questions asked about each document"),
+    "router_concurrency": dict(type=int, default=4,
+                               help="clients sending requests through the router at once"),
+    "out": dict(default=None, help="where to write the cost model JSON"),
 }
 
 
+def _summary(main: Callable) -> str:
+    """A mode's one-line help: its main's docstring, first paragraph, without the
+    ``minivllm bench MODE``: prefix."""
+    first = " ".join((main.__doc__ or "").strip().split("\n\n")[0].split()).replace("``", "")
+    return first.split(": ", 1)[1] if first.startswith("minivllm bench") and ": " in first else first
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``minivllm bench`` options (shared by ``python -m minivllm.bench``)."""
-    parser.add_argument("mode", choices=list(MODES))
-    add_engine_arguments(parser, ("model", *ENGINE_SETTINGS))
-    parser.add_argument("--num-requests", type=int, default=None,
-                        help="requests in the workload (default 32; simulate: 10000; simulate-cluster: 2000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="throughput, prefix, linear: interleaved rounds of each variant (median and "
-                             "middle half reported)")
-    parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
-    parser.add_argument("--rates", default="0.25,0.5,1,2", help="latency: request rates (req/s)")
-    parser.add_argument("--simulated", action="store_true", help="latency: use the simulator, not the model")
-    parser.add_argument("--no-chunked-prefill-check", action="store_true",
-                        help="latency: skip the long-prompt-among-decodes comparison")
-    parser.add_argument("--max-model-len", type=int, default=2048,
-                        help="memory: the contiguous reservation per request (not an engine setting)")
-    parser.add_argument("--rate", type=float, default=None, help="simulate: Poisson rate (default: all at once)")
-    parser.add_argument("--workloads", default="copy,chat", help="speculative: which workloads (copy, chat)")
-    parser.add_argument("--spec-rows", default="0,2,4,8,4 (off above 4),auto",
-                        help="speculative: the rows compared, comma-separated labels of "
-                             "minivllm.bench.speculative.SETTINGS (0, the baseline, runs first in any case)")
-    parser.add_argument("--num-interactive", type=int, default=12,
-                        help="priority: interactive chat requests in the steady stream")
-    parser.add_argument("--interactive-rate", type=float, default=1.0,
-                        help="priority: interactive requests per second, while the batch job runs")
-    parser.add_argument("--figures", default=str(FIGURES), help="folder for the figures ('' for none)")
-    parser.add_argument("--concurrencies", default="1,8,32", help="serve: client concurrencies")
-    parser.add_argument("--serve-rates", default="",
-                        help="serve: a request-rate sweep, Poisson arrivals at each rate in requests "
-                             "per second (e.g. 0.5,1,2); none by default")
-    parser.add_argument("--prompt-len", type=int, default=128, help="serve: prompt tokens per request")
-    parser.add_argument("--max-tokens", type=int, default=64, help="serve: output tokens per request")
-    parser.add_argument("--serve-modes", default="thread,process",
-                        help="serve: the servers to compare (thread: engine in the server process; "
-                             "process: engine core in its own process)")
-    parser.add_argument("--cluster-replicas", default="1,2,4,8,16,32,64",
-                        help="simulate-cluster: the replica counts swept")
-    parser.add_argument("--cluster-policies", default=",".join(ROUTING_POLICIES),
-                        help="simulate-cluster: the routing policies compared")
-    parser.add_argument("--rate-per-replica", type=float, default=2.0,
-                        help="simulate-cluster: Poisson arrivals per second per replica (the rate "
-                             "grows with the replica count, so each replica sees the same load)")
-    parser.add_argument("--tp-sizes", default="1,2,3",
-                        help="tensor-parallel: the tensor_parallel_size values compared (T=1 first)")
-    parser.add_argument("--tp-max-tokens", type=int, default=32,
-                        help="tensor-parallel: greedy output tokens per request")
-    parser.add_argument("--num-documents", type=int, default=6, help="router: documents in the workload")
-    parser.add_argument("--questions-per-document", type=int, default=4,
-                        help="router: questions asked about each document")
-    parser.add_argument("--router-concurrency", type=int, default=4,
-                        help="router: clients sending requests through the router at once")
-    parser.add_argument("--out", default=None, help="fit-simulator: where to write the cost model JSON")
+    """The ``minivllm bench`` subcommands (shared by ``python -m minivllm.bench``)."""
+    modes = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for name, (main, options) in MODES.items():
+        summary = _summary(main)
+        sub = modes.add_parser(name, help=summary, description=summary)
+        add_engine_arguments(sub, ("model", *(o for o in options if o in ENGINE_SETTINGS)))
+        for option in options:
+            if option not in ENGINE_SETTINGS:
+                sub.add_argument("--" + option.replace("_", "-"), **OPTIONS[option])
 
 
 def run(args: argparse.Namespace) -> int:
-    return MODES[args.mode](args)
+    return MODES[args.mode][0](args)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_bench_parser() -> argparse.ArgumentParser:
+    """``python -m minivllm.bench``'s parser (``minivllm bench`` adds the same subcommands)."""
     parser = argparse.ArgumentParser(prog="python -m minivllm.bench",
                                      description="Benchmarks: minivllm against the tools a reader would "
                                                  "otherwise use, on the same requests.")
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_bench_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return run(args)

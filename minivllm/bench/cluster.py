@@ -55,6 +55,7 @@ HEADER = (f"{'N':>4} {'policy':<18} {'hit':>7} {'TTFT ms':>9} {'p99 ms':>9} {'to
 
 
 def main(args: argparse.Namespace) -> int:
+    """``minivllm bench simulate-cluster``: replicas x routing policies on the simulator's clock."""
     counts = _ints(args.cluster_replicas, "--cluster-replicas")
     policies = _policies(args.cluster_policies)
     n = args.num_requests or DEFAULT_REQUESTS

@@ -33,6 +33,7 @@ def save_figure(fig, folder: str | Path, name: str) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
-    """The engine settings every mode takes from the command line, except the model,
-    which each mode loads its own way."""
-    return {name: getattr(args, name) for name in ENGINE_SETTINGS}
+    """The engine settings a mode takes from the command line (those of
+    :data:`ENGINE_SETTINGS` its subcommand has), except the model, which each mode loads
+    its own way."""
+    return {name: getattr(args, name) for name in ENGINE_SETTINGS if hasattr(args, name)}

@@ -230,10 +230,12 @@ def format_rows(rows: list[ServeRow]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """``minivllm bench serve``: the server (engine on a thread, then in its own process) and
+    the offline engine, streaming the same requests."""
     from minivllm.bench.common import load_tokenizer
 
     settings = {"model": args.model, **engine_settings(args)}
-    settings.pop("max_num_seqs")  # the concurrency sets it
+    # (no --max-num-seqs: each concurrency sets it)
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     vocab = len(load_tokenizer(args.model))
     prompts_for = {c: make_prompts(args.num_requests or max(4, 2 * c), args.prompt_len, vocab,

@@ -129,6 +129,7 @@ def compare(label: str, model, sizes: list[int], prompts: list[list[int]], max_t
 
 
 def main(args: argparse.Namespace) -> int:
+    """``minivllm bench tensor-parallel``: step time split into compute and communication."""
     sizes = [int(t) for t in args.tp_sizes.split(",")]
     n = args.num_requests or 8
     max_tokens = args.tp_max_tokens
