@@ -191,7 +191,8 @@ def test_request_timeline_one_row_per_request(trace):
     # The legend explains every mark: the phases this run has (no preemption here, so no
     # "preempted"), the token tick and the arrival dot.
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    phases = [k for k in ("waiting", "prefill", "decode", "preempted") if any(s[k] for s in viz.request_spans(trace).values())]
+    phases = [k for k in ("waiting", "prefill", "decode", "preempted")
+              if any(d > 0 for s in viz.request_spans(trace).values() for _, d in s[k])]
     assert "preempted" not in phases and {"prefill", "decode"} <= set(phases)
     assert labels[:len(phases)] == phases and "output token" in labels
     assert any(lbl.startswith("arrival") for lbl in labels)

@@ -30,7 +30,7 @@ _ARCHITECTURE = {
     "attention": ("Model (transformers), its attention:\nthe paged attention kernel",
                   "minivllm/attention.py\nkernels/ (reference, Triton)", "05", 6.6, 2.6),
     "sampler": ("Sampler: logits -> next token\ngreedy, temperature, top-k/p",
-                "minivllm/sampler.py", "00", 6.6, 0.4),
+                "minivllm/sampler.py", "00 12 13", 6.6, 0.4),
 }
 # (from, to, label, arc): the arrows, in the order one request travels.
 _ARCHITECTURE_FLOW = [

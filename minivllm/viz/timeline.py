@@ -117,7 +117,7 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     ax.set_ylabel("request")
     # The key names the kinds of span this run has: a lesson before notebook 08 shows
     # no "preempted" it has not taught.
-    shown = [k for k in colors if any(spans[rid][k] for rid in order)]
+    shown = [k for k in colors if any(d > 0 for rid in order for _, d in spans[rid][k])]
     handles = [Patch(facecolor=colors[k], label=k, hatch="xx" if k == "preempted" else None)
                for k in shown]
     handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9,
