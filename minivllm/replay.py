@@ -28,7 +28,8 @@ class ReplayResult:
     num_steps: int
     start: float
     end: float
-    """Engine clock at the first arrival and at the last finish."""
+    """Engine clock when the replay started (the workload's arrival times count from it)
+    and at the last finish."""
 
 
 def replay_workload(

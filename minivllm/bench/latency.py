@@ -33,7 +33,8 @@ class LatencyPoint:
     rate: float
     num_requests: int
     duration_s: float
-    """First arrival to last finish."""
+    """The replay's start (the clock's zero, before the first arrival) to the last finish:
+    with few requests, the ramp-up and drain weigh on the throughput."""
     throughput: float
     """Output tokens per second over that span."""
     ttft_p50: float
