@@ -198,6 +198,11 @@ def test_request_timeline_one_row_per_request(trace):
     assert any(lbl.startswith("arrival") for lbl in labels)
     arrivals = {line.get_gid() for line in ax.get_lines() if (line.get_gid() or "").startswith("arrival")}
     assert arrivals == {"arrival:0", "arrival:1"}
+    # Without the ticks (many long requests): no tick line and no key entry for them; no key at all.
+    bare = viz.plot_request_timeline(trace, tokens=False).axes[0]
+    assert not [line for line in bare.get_lines() if (line.get_gid() or "").startswith("tokens:")]
+    assert "output token" not in [t.get_text() for t in bare.get_legend().get_texts()]
+    assert viz.plot_request_timeline(trace, legend=False).axes[0].get_legend() is None
 
 
 def test_latency_few_samples_are_dots_with_the_median(trace):

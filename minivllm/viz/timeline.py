@@ -77,7 +77,8 @@ def request_spans(trace: Trace) -> dict[str, dict[str, list[tuple[float, float]]
     return {rid: {k: _merge(v) for k, v in kinds.items()} for rid, kinds in spans.items()}
 
 
-def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
+def plot_request_timeline(trace: Trace, ax: Axes | None = None, tokens: bool = True,
+                          legend: bool = True) -> Figure:
     """One row per request: waiting (grey), prefill (orange), decode (blue) and
     preempted (red) spans (the key names those the run has), a tick at every output token, a dot at its arrival.
 
@@ -86,6 +87,8 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     inter-token latency. A red span is time lost to preemption: the request's blocks were
     taken, and it waits to recompute them (notebook 08). Time is seconds since the first
     arrival. The arrival dot has the request's colour (the one it has in every figure).
+    ``tokens=False`` leaves out the ticks (with many long requests they cover the bars);
+    ``legend=False`` the key (two panels side by side need only one).
     """
     if not trace.requests:
         raise ValueError("the trace has no requests yet: run the engine first")
@@ -104,7 +107,7 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
                                       hatch="xx" if kind == "preempted" else None)
                 coll.set_gid(f"{kind}:{rid}")
         m = trace.requests[rid]
-        if m.token_times:
+        if tokens and m.token_times:
             ax.plot([t - t0 for t in m.token_times], [row] * len(m.token_times), "|",
                     color="black", markersize=9, gid=f"tokens:{rid}")
         ax.plot([m.arrival_time - t0], [row], marker="o", color=arrival_colors[rid], markersize=5,
@@ -120,12 +123,14 @@ def plot_request_timeline(trace: Trace, ax: Axes | None = None) -> Figure:
     shown = [k for k in colors if any(d > 0 for rid in order for _, d in spans[rid][k])]
     handles = [Patch(facecolor=colors[k], label=k, hatch="xx" if k == "preempted" else None)
                for k in shown]
-    handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9,
-                          label="output token"))
+    if tokens:
+        handles.append(Line2D([], [], color="black", marker="|", linestyle="", markersize=9,
+                              label="output token"))
     handles.append(Line2D([], [], color="#999999", marker="o", linestyle="", markersize=5,
                           markeredgecolor="black", markeredgewidth=0.5,
                           label="arrival (request colour)"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    if legend:
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     kinds = ", ".join(shown[:-1]) + (" and " if len(shown) > 1 else "") + (shown[-1] if shown else "")
     ax.set_title(f"Request timeline: {kinds} time", fontsize=10)
     _note_time_source(ax, trace.time_source)
