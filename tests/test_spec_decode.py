@@ -332,6 +332,9 @@ def test_spec_decode_metrics_on_a_hand_worked_case():
     ax = viz.plot_spec_decode(engine.trace).axes[0]
     accepted, rejected = ([p.get_height() for p in bars] for bars in ax.containers)
     assert (accepted, rejected) == ([0, 1, 0, 1], [0, 1, 0, 0])
+    dots = next(c for c in ax.collections if c.get_gid() == "bonus").get_offsets().tolist()
+    assert dots == [[3, 1]]  # a dot only where a request got a bonus token
+    assert ax.get_ylim()[1] > 2  # room above the tallest bar
 
 
 # -- how many drafts pay: AdaptiveDraftLength and disable_by_batch_size ----------------

@@ -54,7 +54,8 @@ def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int 
         row["fastest"] = ranked[0]
         row["speed-up"] = row["torch s"] / row[f"{row['fastest']} s"]
         row["timings"] = timings
-        row["verdict"] = (compare(timings[ranked[0]], timings[ranked[1]]).verdict if len(ranked) > 1
+        row["verdict"] = (compare(timings[ranked[0]].scaled(1e3, "ms"), timings[ranked[1]].scaled(1e3, "ms")).verdict
+                          if len(ranked) > 1
                           else f"only {ranked[0]} runs here")
         results.append(row)
     return results

@@ -113,8 +113,10 @@ def compare(label: str, model, sizes: list[int], prompts: list[list[int]], max_t
         base = next((r for r in rows if r["T"] == 1), None)
         row["identical_to_T1"] = None if base is None else row["tokens"] == base["tokens"]
         rows.append(row)
-        print(f"{label} T={t} ({row['threads_per_rank']} threads per rank): startup {row['startup_s']:.1f} s, {row['output_tok_s']:.1f} output tok/s, "
-              f"identical to T=1: {row['identical_to_T1']}")
+        threads = row["threads_per_rank"]
+        same = "(reference)" if t == 1 else row["identical_to_T1"]
+        print(f"{label} T={t} ({threads} thread{'s' * (threads != 1)} per rank): startup {row['startup_s']:.1f} s, "
+              f"{row['output_tok_s']:.1f} output tok/s, identical to T=1: {same}")
         for kind in ("decode", "prefill"):
             if f"{kind}_steps" in row:
                 fwd = row[f"{kind}_compute_ms"] + row[f"{kind}_comm_ms"]

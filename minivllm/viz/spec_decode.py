@@ -28,7 +28,7 @@ def spec_decode_counts(trace: Trace) -> dict[str, list[int]]:
 def plot_spec_decode(trace: Trace, ax: Axes | None = None) -> Figure:
     """Bars per step: accepted draft tokens (green) under rejected ones (red, hatched),
     so a bar's height is the drafts proposed; dots: bonus tokens (all of a request's
-    drafts accepted). A step with no bar ran without drafts (prefills, no match found).
+    drafts accepted), drawn only in steps that gave at least one. A step with no bar ran without drafts (prefills, no match found).
     """
     if not trace.steps:
         raise ValueError("the trace has no steps yet: run the engine (e.g. llm.generate) first")
@@ -39,8 +39,10 @@ def plot_spec_decode(trace: Trace, ax: Axes | None = None) -> Figure:
            gid="accepted")
     ax.bar(c["steps"], rejected, bottom=c["accepted"], color=PREEMPTED_COLOR, alpha=0.6, hatch="//",
            width=0.9, label="rejected drafts", gid="rejected")
-    ax.scatter(c["steps"], c["bonus"], color=DECODE_COLOR, s=12, zorder=3, label="bonus tokens",
-               gid="bonus")
+    bonus = [(step, n) for step, n in zip(c["steps"], c["bonus"]) if n]  # steps where some request got one
+    ax.scatter([step for step, _ in bonus], [n for _, n in bonus], color=DECODE_COLOR, s=12, zorder=3,
+               label="bonus tokens", gid="bonus")
+    ax.set_ylim(0, max([*c["proposed"], *c["bonus"], 1]) * 1.15)  # room above the tallest bar
     total, accepted = sum(c["proposed"]), sum(c["accepted"])
     rate = f"{100 * accepted / total:.0f}% accepted" if total else "no drafts"
     ax.set_xlabel("engine step")
