@@ -92,7 +92,8 @@ def keys_cut_off(fig: Figure, drawn: Drawn | None = None) -> list[str]:
 
 
 def points_under_keys(fig: Figure, drawn: Drawn | None = None) -> list[tuple[str, float, float]]:
-    """Every data point (a line's vertex, a scatter's marker) that a key is drawn over:
+    """Every data point (a point along a drawn line, a marker, a scatter's marker) that a
+    key is drawn over:
     (the line's label, x, y). A key placed inside the axes covers data the moment a
     line runs into its corner (the reviews' notebooks 09, 12 and 14)."""
     from matplotlib.collections import PathCollection
@@ -113,10 +114,25 @@ def points_under_keys(fig: Figure, drawn: Drawn | None = None) -> list[tuple[str
                 continue
             if len(xy) == 0:
                 continue
-            for x, y in artist.get_transform().transform(xy):
+            points = artist.get_transform().transform(xy)
+            if isinstance(artist, Line2D) and artist.get_linestyle() not in ("None", "", " "):
+                points = _along(points)  # a drawn line covers the path between its vertices too
+            for x, y in points:
                 if any(b.contains(x, y) for b in boxes):
                     covered.append((artist.get_label(), float(x), float(y)))
     return covered
+
+
+def _along(points, step_px: float = 4.0):
+    """The points of a polyline (pixels) every ``step_px`` along each segment, so a key
+    drawn over the middle of a long straight line (a percentile marker) is seen."""
+    import numpy as np
+
+    out = [points[:1]]
+    for a, b in zip(points[:-1], points[1:]):
+        n = max(1, int(np.hypot(*(b - a)) // step_px))
+        out.append(a + (b - a) * (np.arange(1, n + 1)[:, None] / n))
+    return np.concatenate(out) if len(points) else points
 
 
 def overlapping_texts(fig: Figure, drawn: Drawn | None = None) -> list[tuple[str, str]]:

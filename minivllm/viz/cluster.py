@@ -69,7 +69,7 @@ def plot_cluster_sweep(rows: Sequence[SweepRow], ax: Sequence[Axes] | None = Non
     hit_ax.set_ylim(0, 100)
     hit_ax.set_ylabel("prefix-cache hit rate (%)")
     hit_ax.set_title("Cluster hit rate (all replicas' hits / queries)", fontsize=10)
-    hit_ax.legend(fontsize=8, loc="best")
+    hit_ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(policies))  # under the panel, as on the right
     ttft_ax.set_ylim(bottom=0)
     ttft_ax.set_ylabel("time to first token (ms)")
     ttft_ax.set_title("TTFT: mean (solid), p99 (dashed)", fontsize=10)

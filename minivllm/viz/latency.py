@@ -84,7 +84,8 @@ def plot_latency(trace: Trace, ax: Axes | Sequence[Axes] | None = None) -> Figur
             _percentile_lines(a, values, color, name)
             a.set_ylabel("count")
         a.set_xlabel("milliseconds")
-        a.legend(fontsize=8, loc="upper right")
+        # under the panel: a percentile line can fall anywhere across it
+        a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     if axes[0] is not axes[1]:
         axes[0].set_title("Time to first token", fontsize=10)
         axes[1].set_title("Inter-token latency", fontsize=10)
