@@ -225,7 +225,7 @@ def test_cli_bench_memory_and_simulate(capsys, tmp_path):
     from minivllm.cli import main
 
     assert main(["bench", "memory", "--figures", str(tmp_path)]) == 0
-    assert main(["bench", "simulate", "--num-requests", "50", "--figures", ""]) == 0
+    assert main(["bench", "simulate", "--num-requests", "50"]) == 0
     out = capsys.readouterr().out
     assert "requests fit contiguous" in out and "50/50 requests finished" in out
     assert (tmp_path / "bench_memory.png").exists()
