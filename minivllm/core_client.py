@@ -12,9 +12,11 @@ bounded waiting, aborts when a client goes) and replaces the thread with a proce
 * **Requests.** The server tokenizes with its own tokenizer and :class:`~minivllm.processor.Processor`, and
   sends token ids (``AddRequest``). Aborts leave at once (``Abort``); the core applies
   them before its next step.
-* **Outputs.** One task reads the core's ``StepOutputs``: new token ids per request. It
-  detokenizes them here (an :class:`~minivllm.detokenizer.IncrementalDetokenizer` per request, as in the
-  engine) and hands each stream a ``RequestOutput`` just like the in-process one.
+* **Outputs.** One task reads the core's ``StepOutputs``: new token ids per request. The
+  :class:`~minivllm.output_processor.OutputProcessor`, the same class the in-process engine
+  uses, makes the text (each token detokenized once, here), cuts it at stop strings
+  (and tells the core with ``FinishRequests``) and hands each stream a ``RequestOutput``
+  just like the in-process one.
 * **Death.** If the core process exits (a failed step, a kill, out of memory), ``error``
   is set, ``/health`` answers 500 and every open stream ends with
   :class:`~minivllm.async_engine.EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
@@ -33,7 +35,6 @@ import multiprocessing
 import os
 import pickle
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -44,13 +45,12 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
 from minivllm.config import COMPONENT_FIELDS, EngineConfig
 from minivllm.core.scheduler import check_priority
-from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.engine_core import (
     IDLE_POLL_MS,
     Abort,
     AddRequest,
-    EngineCoreOutput,
     Failed,
+    FinishRequests,
     FromCore,
     Ready,
     Shutdown,
@@ -60,28 +60,15 @@ from minivllm.engine_core import (
     run_engine_core,
 )
 from minivllm.exceptions import ValidationError
-from minivllm.logprobs import to_dict
 from minivllm.metrics import RequestMetrics
 from minivllm.model_loader import resolve_model_dir
-from minivllm.outputs import CompletionOutput, RequestOutput
-from minivllm.parallel_sampling import ParentRequest, ParentRequests
+from minivllm.output_processor import OutputProcessor
+from minivllm.parallel_sampling import ParentRequest
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
 from minivllm.system_utils import get_mp_context, with_environment
 
 logger = logging.getLogger("minivllm")
-
-
-@dataclass
-class RequestState:
-    """What the server keeps of one request while the core runs it."""
-    prompt: ProcessedPrompt
-    detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    """With ``logprobs``: vLLM's dicts so far, decoded here (the core sends ids only)."""
-    prompt_logprobs: list | None = None
 
 
 class AsyncMPEngine(AsyncLLMEngine):
@@ -104,9 +91,8 @@ class AsyncMPEngine(AsyncLLMEngine):
         self._ready: Ready | None = None
         self._ready_event: asyncio.Event | None = None
         self._process: multiprocessing.process.BaseProcess | None = None
-        self._states: dict[str, RequestState] = {}
-        self._parents = ParentRequests()
-        """Requests with n > 1: the core sees only their children (``minivllm.parallel_sampling``)."""
+        self.output_processor = OutputProcessor(self.tokenizer)
+        """Text, stop strings, logprob dicts, n > 1 gathering: the core sends token ids only."""
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._num_sent = 0
@@ -247,8 +233,7 @@ class AsyncMPEngine(AsyncLLMEngine):
             for stream in self._streams.values():
                 stream.put(EngineDeadError(f"the engine failed: {e}"))
             self._streams.clear()
-            self._states.clear()
-            self._parents = ParentRequests()
+            self.output_processor = OutputProcessor(self.tokenizer)
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(EngineDeadError(f"the engine failed: {e}"))
@@ -257,43 +242,13 @@ class AsyncMPEngine(AsyncLLMEngine):
     def _process_outputs(self, message: StepOutputs) -> None:
         self.num_waiting, self.num_running = message.num_waiting, message.num_running
         self.kv_cache_usage, self._num_added = message.kv_cache_usage, message.num_added
-        outputs = []
-        for out in message.outputs:
-            state = self._states.get(out.request_id)
-            if state is None:
-                continue
-            output = self._make_output(out, state)
-            if output.finished:
-                del self._states[out.request_id]
-            outputs.append(output)
-        for output in self._parents.gather(outputs):  # children's outputs -> their parent's
+        processed = self.output_processor.process_outputs(message.outputs)
+        if processed.finishes:  # stop strings found here: the core frees their blocks
+            self._to_core.send(self._encoder.encode(FinishRequests(processed.finishes)))
+        for output in processed.request_outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:  # None: its consumer has gone; drop it
                 stream.put(output)
-
-    def _make_output(self, out: EngineCoreOutput, state: RequestState) -> RequestOutput:
-        """Detokenize the new ids exactly as ``LLMEngine`` does, so the text is the same."""
-        finished = out.finish_reason is not None
-        # Ended by EOS or a stop token id: that token cannot complete a stop string.
-        stop_terminated = finished and out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        for i, token_id in enumerate(out.new_token_ids):
-            state.detokenizer.update(token_id, stop_terminated and i == len(out.new_token_ids) - 1)
-        state.token_ids.extend(out.new_token_ids)
-        text, new_text = state.detokenizer.get_next_output_text(finished)
-        state.metrics.num_cached_tokens = out.num_cached_tokens
-        cumulative = None
-        if state.logprobs is not None:
-            state.logprobs.extend(to_dict(p, self.tokenizer) for p in out.new_logprobs or [])
-            cumulative = sum(next(iter(d.values())).logprob for d in state.logprobs)
-        if out.prompt_logprobs is not None:
-            state.prompt_logprobs = [None if p is None else to_dict(p, self.tokenizer)
-                                     for p in out.prompt_logprobs]
-        completion = CompletionOutput(
-            0, text, list(state.token_ids), out.finish_reason, out.stop_reason, out.error,
-            None if state.logprobs is None else list(state.logprobs), cumulative)
-        return RequestOutput(out.request_id, state.prompt.prompt, state.prompt.prompt_token_ids,
-                             [completion], finished, state.metrics, out.num_cached_tokens, new_text,
-                             state.prompt_logprobs)
 
     # -- requests in and out ---------------------------------------------------------------------
     async def call(self, fn: Any, *args: Any) -> Any:
@@ -314,16 +269,15 @@ class AsyncMPEngine(AsyncLLMEngine):
         try:
             if params.n > 1:
                 parent = ParentRequest(request_id, params)
-                self._parents.add(parent)
+                self.output_processor.parents.add(parent)
                 children = parent.children()
             else:
                 children = [(request_id, params)]
             ids = prompt.prompt_token_ids
             for child_id, child_params in children:
-                self._states[child_id] = RequestState(
-                    prompt, IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.min_tokens),
-                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)),
-                    logprobs=[] if params.logprobs is not None else None)
+                self.output_processor.add_request(
+                    child_id, prompt.prompt, ids, params.stop, params.min_tokens, params.logprobs is not None,
+                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
                 self._to_core.send(self._encoder.encode(
                     AddRequest(child_id, list(ids), prompt.prompt, child_params, priority)))
                 self._num_sent += 1
@@ -340,7 +294,7 @@ class AsyncMPEngine(AsyncLLMEngine):
 
     def _send_abort(self, request_ids: list[str]) -> None:
         if self.error is None and self._task is not None:
-            self._to_core.send(self._encoder.encode(Abort(self._parents.expand(request_ids))))
+            self._to_core.send(self._encoder.encode(Abort(self.output_processor.parents.expand(request_ids))))
 
     def _abort_later(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -3,7 +3,9 @@
 One call to :meth:`LLMEngine.step` is one iteration of continuous batching:
 
     schedule  ->  run the model on the packed batch  ->  append tokens, check stops
-              ->  detokenize  ->  record the step in the trace  ->  RequestOutputs
+              ->  new token ids per request (EngineCoreOutput)
+              ->  text, stop strings, logprobs: the OutputProcessor -> RequestOutputs
+              ->  record the step in the trace
               (->  propose drafts for the next step, with speculative decoding on)
 
 Requests may be added or aborted between any two steps; that is what makes the batching
@@ -11,8 +13,11 @@ Requests may be added or aborted between any two steps; that is what makes the b
 ``new_text`` (``LLM.stream`` does exactly that).
 
 A request's state lives in three places, each freed when it finishes: the scheduler's
-``Request`` (its counts and blocks), the engine's detokenizer (its text and stop strings,
-``minivllm.detokenizer``) and the model runner's random generator (when it has a seed).
+``Request`` (its counts and blocks), the output processor's ``RequestState`` (its text and
+stop strings, ``minivllm.output_processor``) and the model runner's random generator
+(when it has a seed). The engine core of ``minivllm serve`` is this class built with
+``output_processing=False``: it hands out token ids, and the API server's own
+``OutputProcessor`` makes the text.
 """
 
 from __future__ import annotations
@@ -35,12 +40,10 @@ from minivllm.config import (
     size_kv_cache,
 )
 from minivllm.core.scheduler import SchedulerOutput, check_priority
-from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.distributed.executor import MultiprocExecutor, StepTiming
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
-from minivllm.logprobs import to_dict
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
 from minivllm.model_runner import (
@@ -49,7 +52,8 @@ from minivllm.model_runner import (
     kv_cache_bytes_per_token,
     kv_cache_shape,
 )
-from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.output_processor import EngineCoreOutput, FrontEndFinish, OutputProcessor
+from minivllm.outputs import RequestOutput
 from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
@@ -71,6 +75,7 @@ class LLMEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         clock: Callable[[], float] = time.perf_counter,
         model_runner: ModelRunner | None = None,
+        output_processing: bool = True,
     ) -> None:
         """Build the engine in three parts: resolve the device, dtype and backends and
         load the model; size the KV cache (``config.size_kv_cache``); wire the KV cache
@@ -79,6 +84,9 @@ class LLMEngine:
         ``model_runner``: a runner to use instead of building a :class:`ModelRunner`
         (which allocates the KV cache); the simulator passes its cost-model runner here.
         ``clock`` is the source of every timestamp (the simulator's is virtual).
+        ``output_processing=False``: :meth:`step` returns each request's new token ids
+        (``EngineCoreOutput``) instead of ``RequestOutput``; the engine core process
+        (``minivllm.engine_core``) is built so, its server makes the text.
         """
         config.verify()  # again: fields may have been changed since it was made
         self.config = config
@@ -89,7 +97,7 @@ class LLMEngine:
             config, kv_cache_bytes_per_token(self.model, self.dtype, config.tensor_parallel_size),
             model_max_len)
         self.max_model_len = size.max_model_len
-        self._wire(size, model_runner)
+        self._wire(size, model_runner, output_processing)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
             "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.",
@@ -138,7 +146,7 @@ class LLMEngine:
         self.linear_backend = self.linear_plan.name
         self.eos_token_id = eos_token_id(model, tokenizer)
 
-    def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
+    def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None, output_processing: bool) -> None:
         config = self.config
         # The classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
         # the project's own by default, a learner's when one is given.
@@ -179,20 +187,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_steps=config.max_trace_steps,
         )
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        """Per-request output text and stop strings (the scheduler sees token ids only)."""
+        self.output_processor = OutputProcessor(self.tokenizer) if output_processing else None
+        """Text, stop strings, logprob dicts and n > 1 gathering (the scheduler sees token ids only)."""
         self._grammar_compiler: GrammarCompiler | None = None
         """Structured output's compiler (and its cache), made at the first request that asks for one."""
-        self._logprob_outputs: dict[str, tuple[list, list | None]] = {}
-        """Per request with logprobs or prompt_logprobs: its entries as vLLM's dicts so far
-        (sample, prompt), decoded once each, not again at every step."""
-        self.decode_logprobs = True
-        """Whether ``Logprob.decoded_token`` is filled in; the engine core process leaves it
-        to the server, which detokenizes (only token ids cross between the two)."""
-        self._finished_outputs: list[RequestOutput] = []
+        self._finished_outputs: list[RequestOutput | EngineCoreOutput] = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
-        self._parents = ParentRequests()
-        """Requests with n > 1, fanned out into child requests (``minivllm.parallel_sampling``)."""
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
@@ -241,6 +241,9 @@ class LLMEngine:
                 request_id)
         params = self.processor.check_params(params)
         parent = ParentRequest(request_id, params) if params.n > 1 else None
+        if parent is not None and self.output_processor is None:
+            raise ValidationError("n", "an engine core without output processing takes one "
+                                  "request per sample: its front end fans n > 1 out", params.n)
         for rid in [request_id] + (parent.child_ids if parent else []):
             if self.has_request(rid):
                 raise ValidationError("request_id", f"request_id {rid!r} is already in use", rid)
@@ -251,7 +254,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # a grammar that cannot compile is refused
             self._new_grammar_state(params.structured_outputs)  # before anything is queued (cached)
         if parent is not None:
-            self._parents.add(parent)
+            self.output_processor.parents.add(parent)
             return [self._add_checked(cid, prompt, p, arrival_time, priority)
                     for cid, p in parent.children()]
         return self._add_checked(request_id, prompt, params, arrival_time, priority)
@@ -264,8 +267,9 @@ class LLMEngine:
                           self.eos_token_id, prompt.prompt, priority)
         if params.structured_outputs is not None:
             request.grammar = self._new_grammar_state(params.structured_outputs)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop,
-                                                                params.min_tokens)
+        if self.output_processor is not None:
+            self.output_processor.add_request(request_id, prompt.prompt, ids, params.stop, params.min_tokens,
+                                              params.logprobs is not None, request.metrics)
         self.scheduler.add_request(request)
         self.trace.requests[request_id] = request.metrics
         return request
@@ -289,19 +293,48 @@ class LLMEngine:
         Unknown ids raise KeyError and abort nothing. Aborting a request with n > 1
         aborts all its children still running."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        ids = [c for c in self._parents.expand(ids)
-               if c in self.scheduler.requests or c not in self._parents.parent_of]
+        parents = self._parents
+        ids = [c for c in parents.expand(ids) if c in self.scheduler.requests or c not in parents.parent_of]
         unknown = [i for i in ids if i not in self.scheduler.requests]
         if unknown:
             raise KeyError(f"no unfinished request with id(s) {unknown}")
+        aborted = [self.scheduler.requests[i] for i in ids]
+        self._finish_between_steps(aborted, RequestStatus.FINISHED_ABORTED)
+        outputs = [EngineCoreOutput(r.request_id, [], "abort", num_cached_tokens=r.metrics.num_cached_tokens)
+                   for r in aborted]
+        if self.output_processor is not None:  # made now: the id is free for reuse at once
+            outputs = self.output_processor.process_outputs(outputs).request_outputs
+        self._finished_outputs.extend(outputs)
+
+    def finish_requests(self, finishes: list[FrontEndFinish]) -> None:
+        """Finish requests that the API server's output processor ended (a stop string, or
+        text it could not make) while this engine core still ran them; those already
+        finished here meanwhile are left as they are. Its outputs are not handed out
+        again: the server has made them."""
+        requests = []
+        for f in finishes:
+            request = self.scheduler.requests.get(f.request_id)
+            if request is not None:
+                request.stop_reason, request.error = f.stop_reason, f.error
+                requests.append((request, f.finish_reason))
+        for reason in ("stop", "error"):
+            self._finish_between_steps([r for r, why in requests if why == reason],
+                                       RequestStatus.FINISHED_STOPPED if reason == "stop"
+                                       else RequestStatus.FINISHED_ERROR)
+
+    def _finish_between_steps(self, requests: list[Request], status: RequestStatus) -> None:
+        """Finish unfinished requests now, with ``status``, and free their blocks."""
         now = self.clock()
-        for i in ids:
-            request = self.scheduler.requests[i]
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        for request in requests:
+            self.scheduler.finish_request(request, status)
             request.metrics.finished_time = now
-            self.stats.record_finished(request.metrics, "abort")
-            self._finished_outputs.append(self._make_output(request))
-        self.model_runner.remove_requests(ids)
+            self.stats.record_finished(request.metrics, request.finish_reason)
+        self.model_runner.remove_requests([r.request_id for r in requests])
+
+    @property
+    def _parents(self) -> ParentRequests:
+        """The requests with n > 1 (the output processor gathers their children's outputs)."""
+        return self.output_processor.parents if self.output_processor is not None else ParentRequests()
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is in use: an unfinished request (a child among them), or
@@ -316,7 +349,8 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output for every request that progressed.
+        """Run one iteration; return an output for every request that progressed
+        (with ``output_processing=False``, each one's new token ids instead).
 
         Isolation: a failure that belongs to one request (its sampling, its
         detokenization) finishes that request alone, with finish_reason "error" and the
@@ -325,22 +359,32 @@ class LLMEngine:
         then exactly as before the step, and stepping again retries it.
         """
         outputs, self._finished_outputs = self._finished_outputs, []
+        try:
+            outputs += self._step()
+        except BaseException:  # hand the aborted requests' outputs out next time
+            self._finished_outputs = outputs + self._finished_outputs
+            raise
+        return outputs
+
+    def _step(self) -> list[RequestOutput] | list[EngineCoreOutput]:
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished_requests():
-                self._finished_outputs = outputs
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
-            return self._parents.gather(outputs)
-        try:
-            result = self._execute(scheduler_output, start)
-        except BaseException:
-            self._finished_outputs = outputs + self._finished_outputs
-            raise
+            return []
+        result = self._execute(scheduler_output, start)
         accepted = self._count_accepted(scheduler_output, result.sampled)
+        before = {s.request.request_id: (s.request.num_output_tokens, len(s.request.prompt_logprobs or ()))
+                  for s in scheduler_output.scheduled}
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
         self._attach_logprobs(scheduler_output, result)
-        finished, got_token = self._process_outputs(updated, outputs)
+        outputs = [self._core_output(r, *before[r.request_id]) for r in updated]
+        if self.output_processor is not None:
+            processed = self.output_processor.process_outputs(outputs)
+            self._apply_finishes(processed.finishes, updated)
+            outputs = processed.request_outputs
+        finished, got_token = self._record_tokens(updated)
         self.model_runner.remove_requests(finished)
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
                      getattr(result, "parallel", None))
@@ -353,7 +397,7 @@ class LLMEngine:
             self._propose_drafts(updated)
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
-        return self._parents.gather(outputs)  # children's outputs -> their parent's (n > 1)
+        return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
         """The forward pass and sampling; if they fail, the step is rolled back."""
@@ -417,23 +461,47 @@ class LLMEngine:
         for request in going_on:
             del request.spec_token_ids[k:]
 
-    def _process_outputs(self, updated: list[Request], outputs: list[RequestOutput]
-                         ) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:
-        """Timestamps, text and stop strings of the requests that got a token (or an
-        error) this step; their outputs are appended to ``outputs``. Returns the ids
-        that finished and, for those that got tokens, their metrics and how many tokens
-        (several only with speculative decoding; they share one timestamp)."""
+    def _core_output(self, request: Request, num_sent: int, num_prompt_logprobs: int) -> EngineCoreOutput:
+        """What ``request`` gained this step, given how many output tokens and prompt
+        logprob entries it had before: new token ids, their logprob entries (compact:
+        no text), its prompt logprobs once the whole prompt has run, how it ended."""
+        new_logprobs = prompt_logprobs = None
+        if request.logprobs is not None:
+            new_logprobs = request.logprobs[num_sent:request.num_output_tokens]
+        n = request.num_prompt_tokens
+        if request.prompt_logprobs is not None and num_prompt_logprobs < n <= len(request.prompt_logprobs):
+            prompt_logprobs = [None] + request.prompt_logprobs[1:n]
+        return EngineCoreOutput(request.request_id, request.output_token_ids[num_sent:],
+                                request.finish_reason, request.stop_reason, request.error,
+                                request.metrics.num_cached_tokens, new_logprobs, prompt_logprobs)
+
+    def _apply_finishes(self, finishes: list[FrontEndFinish], updated: list[Request]) -> None:
+        """The requests the output processor finished this step (a stop string, text it
+        could not make), finished here too before anything is counted: tokens after a
+        stop string (accepted drafts) are dropped, so the request is exactly what one
+        token per step would have given."""
+        by_id = {r.request_id: r for r in updated}
+        for f in finishes:
+            request = by_id[f.request_id]
+            num_dropped = request.num_output_tokens - f.num_output_tokens
+            if num_dropped > 0:
+                del request.output_token_ids[-num_dropped:]
+                del request.all_token_ids[-num_dropped:]
+            request.stop_reason, request.error = f.stop_reason, f.error
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED if f.finish_reason == "stop"
+                                          else RequestStatus.FINISHED_ERROR)
+
+    def _record_tokens(self, updated: list[Request]) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:
+        """Timestamps of the requests that got tokens (or an error) this step. Returns
+        the ids that finished and, for those that got tokens, their metrics and how many
+        tokens (several only with speculative decoding; they share one timestamp)."""
         now = self.clock()
         finished: list[str] = []
         got_token: list[tuple[RequestMetrics, int]] = []
         for request in updated:
             m = request.metrics
-            if request.status is not RequestStatus.FINISHED_ERROR:  # it got a token
-                try:
-                    self._process_text(request)
-                except Exception as e:  # this request's text alone: finish it, not the step
-                    self._fail(request, f"detokenization failed: {type(e).__name__}: {e}")
-                num_new = request.num_output_tokens - len(m.token_times)
+            num_new = request.num_output_tokens - len(m.token_times)
+            if num_new > 0:
                 got_token.append((m, num_new))
                 m.token_times.extend([now] * num_new)
                 if m.first_token_time is None:
@@ -442,7 +510,6 @@ class LLMEngine:
                 m.finished_time = now
                 finished.append(request.request_id)
                 self.stats.record_finished(m, request.finish_reason)
-            outputs.append(self._make_output(request))
         return finished, got_token
 
     def _attach_logprobs(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -455,93 +522,6 @@ class LLMEngine:
             if request.logprobs is not None:
                 request.logprobs.extend(result.logprobs.get(request.request_id, []))
                 del request.logprobs[request.num_output_tokens:]
-
-    def _logprobs_output(self, request: Request) -> tuple[list | None, float | None, list | None]:
-        """(sample logprobs, cumulative logprob, prompt logprobs) of the output: vLLM's
-        dicts, made from the request's compact entries as they arrive. Prompt logprobs are
-        given once the whole prompt has run, None before."""
-        if request.logprobs is None and request.prompt_logprobs is None:
-            return None, None, None
-        tokenizer = self.tokenizer if self.decode_logprobs else None
-        sample, prompt = self._logprob_outputs.setdefault(request.request_id, ([], None))
-        cumulative = None
-        if request.logprobs is not None:
-            del sample[request.num_output_tokens:]  # tokens a stop string dropped
-            sample.extend(to_dict(p, tokenizer) for p in request.logprobs[len(sample):request.num_output_tokens])
-            cumulative = sum(next(iter(d.values())).logprob for d in sample)
-        else:
-            sample = None
-        if (prompt is None and request.prompt_logprobs is not None
-                and len(request.prompt_logprobs) == request.num_prompt_tokens):
-            prompt = [None] + [to_dict(p, tokenizer) for p in request.prompt_logprobs[1:]]
-            self._logprob_outputs[request.request_id] = (sample or [], prompt)
-        if request.is_finished:
-            del self._logprob_outputs[request.request_id]
-        return sample, cumulative, prompt
-
-    def _fail(self, request: Request, message: str) -> None:
-        """Finish one request with finish_reason "error" (it may have finished already
-        this step, e.g. on its last token; then only the reason changes)."""
-        logger.warning("request %s failed: %s", request.request_id, message)
-        request.error = message
-        if request.is_finished:
-            request.status = RequestStatus.FINISHED_ERROR
-        else:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR)
-
-    def _process_text(self, request: Request) -> None:
-        """Detokenize the new tokens; finish the request if one completed a stop string.
-
-        Several tokens arrive at once with speculative decoding: a stop string completed
-        by one of them drops the tokens after it, so the output is exactly what one token
-        per step would have given."""
-        detokenizer = self._detokenizers[request.request_id]
-        new = request.output_token_ids[detokenizer.num_output_tokens:]
-        stop_terminated = request.is_finished and request.status is not RequestStatus.FINISHED_LENGTH
-        for i, token in enumerate(new):
-            stop = detokenizer.update(token, stop_terminated and i == len(new) - 1)
-            if stop is not None:
-                break
-        else:
-            return
-        num_dropped = len(new) - 1 - i
-        if num_dropped:
-            del request.output_token_ids[-num_dropped:]
-            del request.all_token_ids[-num_dropped:]
-        request.stop_reason = stop
-        if request.is_finished:  # by length, this very token: its blocks are already free
-            request.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-
-    def _make_output(self, request: Request) -> RequestOutput:
-        detokenizer = self._detokenizers[request.request_id]
-        text, new_text = detokenizer.get_next_output_text(request.is_finished)
-        if request.is_finished:
-            del self._detokenizers[request.request_id]
-        logprobs, cumulative_logprob, prompt_logprobs = self._logprobs_output(request)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=0,
-                    text=text,
-                    token_ids=list(request.output_token_ids),
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
-                    error=request.error,
-                    logprobs=None if logprobs is None else list(logprobs),
-                    cumulative_logprob=cumulative_logprob,
-                )
-            ],
-            finished=request.is_finished,
-            metrics=request.metrics,
-            num_cached_tokens=request.metrics.num_cached_tokens,
-            new_text=new_text,
-            prompt_logprobs=prompt_logprobs,
-        )
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
                 finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None) -> None:

@@ -8,8 +8,9 @@ vLLM V1 therefore splits them (``EngineCoreProc``), and so does minivllm:
 
     API server process                              engine core process
     (AsyncMPEngine: HTTP, tokenize,    AddRequest   (EngineCoreProc: LLMEngine =
-     chat template, detokenize, SSE)  ----------->   scheduler, KV cache manager,
-                                         Abort       model runner, the step loop)
+     chat template, SSE;              ----------->   scheduler, KV cache manager,
+     OutputProcessor: detokenize,      Abort,        model runner, the step loop)
+     stop strings, logprob dicts)     FinishRequests
                                       ----------->
                                       <-----------
                                        StepOutputs
@@ -28,8 +29,10 @@ server process that has imported torch, nothing of the server's inherited) and i
 on SIGTERM, and ends by itself when its parent has gone, so it never outlives the
 server. A failed step is reported as ``Failed`` before the process exits.
 
-Stop strings are still found here, by the engine's own detokenizer, because they finish
-a request and free its blocks; vLLM finds them in the front end and sends an abort.
+The core never makes text: its ``LLMEngine`` is built with ``output_processing=False``.
+Stop strings are text, so the server's ``OutputProcessor`` finds them, and sends
+``FinishRequests`` to free the request's blocks (vLLM sends an abort). Until it arrives
+the core may run the request one step more; the server drops what that step gave.
 
 In vLLM: ``vllm/v1/engine/core.py`` (``EngineCoreProc``) and ``vllm/v1/engine/__init__.py``
 (``EngineCoreRequest``, ``EngineCoreOutputs``).
@@ -46,6 +49,7 @@ import zmq
 
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
+from minivllm.output_processor import EngineCoreOutput, FrontEndFinish
 from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
 from minivllm.system_utils import parent_alive
@@ -70,6 +74,12 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class FinishRequests(msgspec.Struct, tag=True):
+    """Requests the server's output processor finished (a stop string, text it could
+    not make): the core frees them with the reason the client was given."""
+    finishes: list[FrontEndFinish]
+
+
 class Utility(msgspec.Struct, tag=True):
     """Call an engine method between steps (``get_metrics``, ``reset_prefix_cache``); the
     answer is a UtilityResult."""
@@ -81,7 +91,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToCore = AddRequest | Abort | Utility | Shutdown
+ToCore = AddRequest | Abort | FinishRequests | Utility | Shutdown
 """Every message the server sends the core."""
 
 
@@ -93,21 +103,6 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True):
-    """What one request gained in one step: its new token ids, and how it ended."""
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    new_logprobs: list[tuple[list[int], list[float], list[int]]] | None = None
-    """With ``logprobs``: one compact entry (``minivllm.logprobs.PositionLogprobs``: ids,
-    values, ranks; no text) per new token id."""
-    prompt_logprobs: list[tuple[list[int], list[float], list[int]] | None] | None = None
-    """With ``prompt_logprobs``: every prompt token's entry, sent once, when complete."""
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -140,16 +135,12 @@ class EngineCoreProc:
     """The busy loop: read what arrived, step, send what came out."""
 
     def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
+        """``engine``: built with ``output_processing=False`` (its steps give token ids)."""
         self.engine = engine
         self.inbox, self.outbox = inbox, outbox
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.encoder = msgspec.msgpack.Encoder()
         self.num_added = 0
-        self.num_sent: dict[str, int] = {}
-        """Output tokens already sent, per unfinished request."""
-        self.prompt_logprobs_sent: set[str] = set()
-        """Unfinished requests whose prompt logprobs have been sent."""
-        engine.decode_logprobs = False  # the server decodes the tokens of logprobs
 
     def send(self, message: FromCore) -> None:
         self.outbox.send(self.encoder.encode(message), copy=False)
@@ -183,7 +174,6 @@ class EngineCoreProc:
                 engine.add_request(message.request_id,
                                    ProcessedPrompt(message.prompt_token_ids, message.prompt),
                                    message.params, priority=message.priority)
-                self.num_sent[message.request_id] = 0
             except (ValueError, TypeError) as e:  # the server checked it; say so if it slipped
                 self.send(StepOutputs([EngineCoreOutput(message.request_id, [], "error", error=str(e))],
                                       len(engine.scheduler.waiting), len(engine.scheduler.running),
@@ -192,6 +182,8 @@ class EngineCoreProc:
             live = [i for i in message.request_ids if i in engine.scheduler.requests]
             if live:
                 engine.abort_request(live)
+        elif isinstance(message, FinishRequests):
+            engine.finish_requests(message.finishes)
         elif isinstance(message, Utility):
             result = getattr(engine, message.method)()
             self.send(UtilityResult(message.call_id, pickle.dumps(result)))
@@ -200,31 +192,10 @@ class EngineCoreProc:
         return True
 
     def step(self) -> None:
-        outputs = []
-        for out in self.engine.step():
-            c = out.outputs[0]
-            sent = self.num_sent.pop(out.request_id, 0)
-            if not out.finished:
-                self.num_sent[out.request_id] = len(c.token_ids)
-            prompt_logprobs = None
-            if out.prompt_logprobs is not None and out.request_id not in self.prompt_logprobs_sent:
-                prompt_logprobs = [None] + [compact(d) for d in out.prompt_logprobs[1:]]
-                self.prompt_logprobs_sent.add(out.request_id)
-            if out.finished:
-                self.prompt_logprobs_sent.discard(out.request_id)
-            outputs.append(EngineCoreOutput(
-                out.request_id, c.token_ids[sent:], c.finish_reason, c.stop_reason, c.error,
-                out.num_cached_tokens,
-                None if c.logprobs is None else [compact(d) for d in c.logprobs[sent:]],
-                prompt_logprobs))
+        outputs = self.engine.step()  # EngineCoreOutputs: new token ids, no text
         scheduler = self.engine.scheduler
         self.send(StepOutputs(outputs, len(scheduler.waiting), len(scheduler.running),
                               self.engine.kv_cache_manager.usage, self.num_added))
-
-
-def compact(position: dict) -> tuple[list[int], list[float], list[int]]:
-    """One position's ``{token_id: Logprob}`` as ids, values and ranks, to cross as msgpack."""
-    return list(position), [p.logprob for p in position.values()], [p.rank for p in position.values()]
 
 
 def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: str,
@@ -239,7 +210,7 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (Failed) leave before exit
     encoder = msgspec.msgpack.Encoder()
     try:
-        core = EngineCoreProc(LLMEngine(config), inbox, outbox)
+        core = EngineCoreProc(LLMEngine(config, output_processing=False), inbox, outbox)
         core.run()
     except BaseException as e:
         logger.exception("the engine core failed")

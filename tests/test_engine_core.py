@@ -28,6 +28,7 @@ httpx = pytest.importorskip("httpx")
 from test_server import scrape, successes, wait_until_idle  # noqa: E402
 
 from minivllm.core_client import AsyncMPEngine  # noqa: E402
+from minivllm.detokenizer import IncrementalDetokenizer  # noqa: E402
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
@@ -120,6 +121,26 @@ def test_outputs_match_offline_token_for_token(split, offline):
     streamed = asyncio.run(all_of_them())
     assert streamed == [(o.text, o.finish_reason) for o in offline["many"]]
     assert wait_until_idle(client)[("minivllm:kv_cache_usage_perc", ())] == 0
+
+
+def test_each_token_is_detokenized_once_by_the_server(split, offline, monkeypatch):
+    """The core sends token ids; the server's output processor turns each into text once
+    (the core makes none: tests/test_output_processor.py), stop strings included."""
+    server, client = split
+    seen: list[int] = []
+    real = IncrementalDetokenizer.add_token
+
+    def add_token(self, token_id: int) -> str:
+        seen.append(token_id)
+        return real(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", add_token)
+    want = offline["many"][5]  # greedy, it stops at " is" after 8 tokens
+    assert want.stop_reason == " is"
+    body = {"prompt": PROMPTS[5], "max_tokens": 24, "temperature": 0, "stop": [" is"], "return_token_ids": True}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (want.text, "stop", " is")
+    assert seen == choice["token_ids"] == want.token_ids
 
 
 def test_disconnect_aborts_in_the_core_and_frees_blocks(split, offline):
