@@ -6,7 +6,8 @@ One call to :meth:`LLMEngine.step` is one iteration of continuous batching:
               ->  new token ids per request (EngineCoreOutput)
               ->  text, stop strings, logprobs: the OutputProcessor -> RequestOutputs
               ->  record the step in the trace
-              (->  propose drafts for the next step, with speculative decoding on)
+              (->  propose drafts for the next step, with speculative decoding on:
+                   minivllm.spec_decode.drafter)
 
 Requests may be added or aborted between any two steps; that is what makes the batching
 *continuous*. Streaming is just calling ``step()`` and reading each output's
@@ -58,9 +59,7 @@ from minivllm.parallel_sampling import ParentRequest, ParentRequests
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
-from minivllm.spec_decode.draft_length import AdaptiveDraftLength
-from minivllm.spec_decode.metrics import SpecDecodingStats
-from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.drafter import Drafter
 from minivllm.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
 
@@ -196,19 +195,11 @@ class LLMEngine:
         self._step_index = 0
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
-        self.proposer: NgramProposer | None = None
-        """Speculative decoding's draft proposer, None when it is off."""
-        self.draft_length: AdaptiveDraftLength | None = None
-        """Measures which draft length pays at each batch size (speculative_config
-        "adaptive"); None when the length is fixed."""
-        self.spec_config: SpeculativeConfig | None = None
+        self.drafter: Drafter | None = None
+        """Speculative decoding's drafts and their metrics (``minivllm.spec_decode``); None when off."""
         if config.speculative_config is not None:
-            spec = self.spec_config = SpeculativeConfig.parse(config.speculative_config)
-            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_max,
-                                          spec.prompt_lookup_min)
-            self.stats.spec_decoding = SpecDecodingStats(spec.num_speculative_tokens)
-            if spec.adaptive:
-                self.draft_length = AdaptiveDraftLength(spec.num_speculative_tokens)
+            self.drafter = Drafter(SpeculativeConfig.parse(config.speculative_config), self.max_model_len)
+            self.stats.spec_decoding = self.drafter.stats
         self._stat_logger = (
             LoggingStatLogger(config.log_stats_interval, self.clock())
             if config.log_stats_interval else None
@@ -374,7 +365,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
             return []
         result = self._execute(scheduler_output, start)
-        accepted = self._count_accepted(scheduler_output, result.sampled)
+        accepted = self.drafter.count_accepted(scheduler_output, result.sampled) if self.drafter else {}
         before = {s.request.request_id: (s.request.num_output_tokens, len(s.request.prompt_logprobs or ()))
                   for s in scheduler_output.scheduled}
         updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
@@ -390,11 +381,10 @@ class LLMEngine:
                      getattr(result, "parallel", None))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
-        if self.draft_length is not None:
-            self.draft_length.observe_step(sum(n for _, n in got_token), result.model_time,
-                                           not any(s.is_prefill for s in scheduler_output.scheduled))
-        if self.proposer is not None:
-            self._propose_drafts(updated)
+        if self.drafter is not None:
+            self.drafter.observe_step(sum(n for _, n in got_token), result.model_time,
+                                      not any(s.is_prefill for s in scheduler_output.scheduled))
+            self.drafter.propose(updated, len(self.scheduler.running))
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
@@ -412,54 +402,6 @@ class LLMEngine:
             for request in first_time:  # all were admitted this step, and are waiting again
                 request.metrics.first_scheduled_time = None
             raise
-
-    # -- speculative decoding (minivllm.spec_decode) -------------------------------------
-    def _count_accepted(self, scheduler_output: SchedulerOutput,
-                        sampled: dict[str, int | list[int] | Exception]) -> dict[str, int]:
-        """Drafts accepted per request that had drafts this step (counted before stop
-        rules, as vLLM counts them), recorded in the metrics."""
-        accepted = {}
-        for s in scheduler_output.scheduled:
-            tokens = sampled.get(s.request.request_id)
-            if s.spec_token_ids and isinstance(tokens, list):
-                accepted[s.request.request_id] = len(tokens) - 1
-                self.stats.spec_decoding.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
-        return accepted
-
-    def _propose_drafts(self, updated: list[Request]) -> None:
-        """Drafts for each request that just got its tokens and goes on: the scheduler
-        will schedule them after its last token next step. Never more than could be
-        kept: one token of the target's own always follows the drafts, so at most
-        ``max_tokens - 1`` more, and no position past ``max_model_len``.
-
-        Then all drafts are cut to one length for the step: none while more than
-        ``disable_by_batch_size`` requests run, else the length ``self.draft_length``
-        has measured to give the most tokens per second at this batch size
-        (``minivllm.spec_decode.draft_length``), else the full k.
-
-        A request with structured output (a grammar) gets no drafts: the proposer does not
-        know the grammar, and a draft it forbids would still be scored and could be
-        accepted, as the rejection sampler checks drafts against the target's logits,
-        not the grammar (vLLM masks each draft position and rolls the matcher back; here
-        such a request simply decodes one token per step, every token masked)."""
-        going_on = [r for r in updated if not r.is_finished]
-        for request in going_on:
-            if request.grammar is not None:
-                continue  # its spec_token_ids stay empty (the scheduler emptied them)
-            room = self.max_model_len - request.num_tokens
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:
-                room = min(room, max_tokens - request.num_output_tokens - 1)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
-        limit = self.spec_config.disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) > limit:
-            k = 0
-        elif self.draft_length is not None:
-            k = self.draft_length.choose(len(going_on))
-        else:
-            return
-        for request in going_on:
-            del request.spec_token_ids[k:]
 
     def _core_output(self, request: Request, num_sent: int, num_prompt_logprobs: int) -> EngineCoreOutput:
         """What ``request`` gained this step, given how many output tokens and prompt

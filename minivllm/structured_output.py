@@ -33,7 +33,7 @@ at a time. That is why nothing ever rolls it back: the scheduler advances it in
 ``update_from_output`` (after sampling has succeeded, so a failed step leaves it
 untouched), a preempted request keeps its output tokens and so its matcher's position
 (recomputing the KV cache changes no token), and the engine never proposes speculative
-drafts for a request with a grammar (``LLMEngine._propose_drafts``), so no token is ever
+drafts for a request with a grammar (``Drafter.propose``), so no token is ever
 accepted and then rejected. (vLLM does roll matchers back, to verify drafts against the
 grammar; xgrammar's ``GrammarMatcher.rollback`` is what it uses.)
 
