@@ -24,6 +24,7 @@ stop strings, ``minivllm.output_processor``) and the model runner's random gener
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.distributed.executor import MultiprocExecutor, StepTiming
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
+from minivllm.executor import Executor, UniProcExecutor
 from minivllm.linear import choose_linear_plan, resolve_linear_backend
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
 from minivllm.model_loader import load_model
@@ -162,21 +164,23 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
         )
-        self.executor: MultiprocExecutor | None = None
-        """With tensor_parallel_size > 1: the worker processes (``minivllm.distributed``)."""
+        make_runner = functools.partial(
+            ModelRunner, self.model, self.kv_cache_manager, self.attention_backend_cls, self.device,
+            self.dtype, config.seed, linear_plan=self.linear_plan,
+            sampler_cls=load_component("sampler_cls", config.sampler_cls))
+        self.executor: Executor
+        """Runs each step's model work: in this process, or over tensor-parallel workers."""
         if model_runner is None and config.tensor_parallel_size > 1:
             num_layers, num_kv_heads, head_dim = kv_cache_shape(self.model.config,
                                                                 config.tensor_parallel_size)
             self.executor = MultiprocExecutor(
                 self.model, config.tensor_parallel_size, self.device, self.dtype,
                 self.attention_backend_cls, (size.num_blocks, config.block_size, num_kv_heads, head_dim),
-                num_layers, self.linear_plan)
-        self.model_runner = model_runner or ModelRunner(
-            self.model, self.kv_cache_manager, self.attention_backend_cls, self.device, self.dtype,
-            config.seed, linear_plan=self.linear_plan,
-            sampler_cls=load_component("sampler_cls", config.sampler_cls),
-            executor=self.executor,
-        )
+                num_layers, self.linear_plan, make_runner)
+        else:
+            self.executor = UniProcExecutor(model_runner or make_runner())
+        self.model_runner = self.executor.model_runner
+        """The runner in this process (rank 0's with tensor parallelism)."""
         self.processor = Processor(self.tokenizer, self.model.config.vocab_size, self.max_model_len,
                                    config.max_num_batched_tokens, config.enable_chunked_prefill)
         self.trace = Trace(
@@ -320,7 +324,7 @@ class LLMEngine:
             self.scheduler.finish_request(request, status)
             request.metrics.finished_time = now
             self.stats.record_finished(request.metrics, request.finish_reason)
-        self.model_runner.remove_requests([r.request_id for r in requests])
+        self.executor.remove_requests([r.request_id for r in requests])
 
     @property
     def _parents(self) -> ParentRequests:
@@ -376,7 +380,7 @@ class LLMEngine:
             self._apply_finishes(processed.finishes, updated)
             outputs = processed.request_outputs
         finished, got_token = self._record_tokens(updated)
-        self.model_runner.remove_requests(finished)
+        self.executor.remove_requests(finished)
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
                      getattr(result, "parallel", None))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
@@ -396,7 +400,7 @@ class LLMEngine:
         for request in first_time:
             request.metrics.first_scheduled_time = start
         try:
-            return self.model_runner.execute_model(scheduler_output)
+            return self.executor.execute_model(scheduler_output)
         except BaseException:  # an error, or Ctrl-C in a notebook: leave nothing half-done
             self.scheduler.rollback(scheduler_output)
             for request in first_time:  # all were admitted this step, and are waiting again
@@ -515,7 +519,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
-        if getattr(self, "executor", None) is not None:
+        if getattr(self, "executor", None) is not None:  # None: __init__ failed before it
             self.executor.shutdown()
 
     def get_metrics(self) -> list[Metric]:

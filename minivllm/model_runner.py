@@ -14,12 +14,19 @@ With speculative decoding (``minivllm.spec_decode``) a request's draft tokens fo
 last token in the same flat batch, like a short prompt chunk; logits are kept at the
 last token and at every draft, and the rejection sampler turns those rows into the
 accepted drafts plus one token.
+
+The runner knows nothing of processes or ranks: an executor (``minivllm.executor``) owns
+it and calls :meth:`ModelRunner.execute_model`, or, with tensor parallelism, its three
+parts (:meth:`~ModelRunner.prepare_step`, :meth:`~ModelRunner.forward`,
+:meth:`~ModelRunner.sample_step`) with the other ranks' forward passes around the middle
+one (``minivllm.distributed.executor``).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -32,12 +39,14 @@ from minivllm.attention import (
 )
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.distributed.executor import MultiprocExecutor, StepTiming, step_message
 from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.logprobs import PositionLogprobs, compute_logprobs
 from minivllm.request import Request
 from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
+
+if TYPE_CHECKING:
+    from minivllm.distributed.executor import StepTiming
 
 
 def kv_cache_shape(config, tensor_parallel_size: int = 1) -> tuple[int, int, int]:
@@ -128,6 +137,19 @@ def prompt_logprob_rows(scheduler_output: SchedulerOutput) -> list[tuple[str, in
     return rows
 
 
+@dataclass
+class StepInputs:
+    """One step's inputs, between :meth:`ModelRunner.prepare_step` and the sampler."""
+    inputs: dict
+    """The model's keyword arguments: ``input_ids``, ``position_ids``, the attention backend and metadata."""
+    logits_indices: list[int]
+    requests: list[tuple[Request, list[int]]]
+    """Each sampling request with its drafts, in the order of its logits rows."""
+    prompt_rows: list[tuple[str, int, int, int]]
+    start: float
+    """When the step's model work began (``perf_counter``): ``model_time`` counts from here."""
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -139,12 +161,12 @@ class ModelRunner:
         seed: int = 0,
         linear_plan: LinearPlan = STOCK_PLAN,
         sampler_cls: type = Sampler,
-        executor: MultiprocExecutor | None = None,
+        num_kv_heads: int | None = None,
     ) -> None:
-        """``executor``: with tensor parallelism, the workers (``minivllm.distributed``);
-        ``model`` is then rank 0's shard, and the KV cache holds rank 0's KV heads."""
+        """``num_kv_heads``: the KV heads this runner's cache holds, by default all of
+        the model's. With tensor parallelism ``model`` is one rank's shard, and the cache
+        holds that rank's share of the heads."""
         self.model = model
-        self.executor = executor
         self.device = device
         self.block_size = kv_cache_manager.block_size
         self.kv_cache_manager = kv_cache_manager
@@ -152,8 +174,8 @@ class ModelRunner:
         # Swapped to the plan's libraries only for the engine's own forward passes (minivllm.linear).
         self.linear_plan = linear_plan
         self.linears = linear_plan.assign(model)
-        num_layers, num_kv_heads, head_dim = kv_cache_shape(
-            model.config, executor.world_size if executor is not None else 1)
+        num_layers, all_kv_heads, head_dim = kv_cache_shape(model.config)
+        num_kv_heads = num_kv_heads or all_kv_heads
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
         # a cache that starts defined keeps any such bug visible as wrong numbers, not NaN.
@@ -239,39 +261,38 @@ class ModelRunner:
         )
         return inputs, logits_indices, samplers
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: pack the inputs, run the forward pass, sample."""
+        step = self.prepare_step(scheduler_output)
+        return self.sample_step(step, self.forward(step))
+
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """The step's flat batch and metadata, and which logits rows it keeps: the
+        sampler's, then those of prompt positions whose logprobs are asked for."""
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
-        # Prompt positions of prompt_logprobs requests get logits too, after the sampler's.
         prompt_rows = prompt_logprob_rows(scheduler_output)
-        keep = logits_indices + [row[1] for row in prompt_rows]
-        t0 = time.perf_counter()
-        parallel = None
-        try:
-            if self.executor is not None:  # the workers start their shards' forward now
-                self.executor.start_step(step_message(inputs["attn_metadata"], inputs["input_ids"],
-                                                      inputs["position_ids"]))
-            with planned_linear(self.linears):
-                out = self.model(
-                    **inputs,
-                    use_cache=False,
-                    logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
-                )
-            if self.executor is not None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                parallel = self.executor.finish_step(time.perf_counter() - t0)
-        except BaseException:
-            if self.executor is not None:  # the ranks are out of step: the group is done
-                self.executor.shutdown(grace=0)
-            raise
-        logits = out.logits[0]  # [len(keep), vocab]
-        num_sample_rows = len(logits_indices)
-        sampled = self.sample(logits[:num_sample_rows], requests)
-        logprobs, prompt_logprobs = self.gather_logprobs(logits, requests, sampled, prompt_rows)
-        model_time = time.perf_counter() - t0
-        return ModelRunnerOutput(sampled=sampled, model_time=model_time, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, parallel=parallel)
+        return StepInputs(inputs, logits_indices, requests, prompt_rows, time.perf_counter())
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The forward pass: logits at the kept rows only, ``[rows, vocab]``."""
+        keep = step.logits_indices + [row[1] for row in step.prompt_rows]
+        with planned_linear(self.linears):
+            out = self.model(
+                **step.inputs,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
+            )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def sample_step(self, step: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
+        """Tokens (and logprobs) from the forward pass's logits."""
+        num_sample_rows = len(step.logits_indices)
+        sampled = self.sample(logits[:num_sample_rows], step.requests)
+        logprobs, prompt_logprobs = self.gather_logprobs(logits, step.requests, sampled, step.prompt_rows)
+        return ModelRunnerOutput(sampled=sampled, model_time=time.perf_counter() - step.start,
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def gather_logprobs(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]],
                         sampled: dict[str, int | list[int] | Exception],

@@ -53,6 +53,7 @@ import signal
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -60,6 +61,7 @@ import torch
 from torch import nn
 
 from minivllm.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import (
     TensorParallelGroup,
     connect_store,
@@ -67,7 +69,9 @@ from minivllm.distributed.parallel_state import (
     open_store,
 )
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size, shard_model
+from minivllm.executor import Executor
 from minivllm.linear import LinearPlan, planned_linear
+from minivllm.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.system_utils import get_mp_context, parent_alive, with_environment
 
 logger = logging.getLogger("minivllm")
@@ -217,15 +221,18 @@ def _stop_workers(processes: list, conns: list, grace: float = 5.0) -> None:
         conn.close()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     """Rank 0's side of tensor parallelism: starts the workers, shards rank 0's own
-    model, and runs each step's broadcast and gather."""
+    model, builds rank 0's model runner, and runs each step's broadcast and gather."""
 
     def __init__(self, model: nn.Module, tensor_parallel_size: int, device: torch.device,
                  dtype: torch.dtype, attention_backend: type, kv_cache_shape: tuple[int, ...],
-                 num_layers: int, linear_plan: LinearPlan) -> None:
+                 num_layers: int, linear_plan: LinearPlan,
+                 make_model_runner: Callable[..., ModelRunner]) -> None:
         """``model`` is rank 0's full model; it is sharded in place once the workers have
-        their copy. ``kv_cache_shape`` is one rank's: ``num_kv_heads / T`` heads."""
+        their copy. ``kv_cache_shape`` is one rank's: ``num_kv_heads / T`` heads.
+        ``make_model_runner(num_kv_heads=...)`` builds rank 0's runner, once its model is
+        sharded (a runner prepares its linear layers for the weights it is given)."""
         t = self.world_size = tensor_parallel_size
         check_tensor_parallel_size(model.config, t)
         if device.type == "cuda" and torch.cuda.device_count() < t:
@@ -265,6 +272,7 @@ class MultiprocExecutor:
             self.group = init_tensor_parallel_group(store, 0, t, device)
             self.sharded = shard_model(model, self.group)
             self._wait_all("ready", STARTUP_TIMEOUT_S)
+            self.model_runner = make_model_runner(num_kv_heads=kv_cache_shape[2])
         except BaseException:
             self.shutdown(grace=0)
             raise
@@ -299,6 +307,26 @@ class MultiprocExecutor:
                 raise RuntimeError(f"tensor-parallel worker {rank} sent {kind!r}, expected {expected!r}")
             answers.append(value)
         return answers
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0 prepares the step and sends its inputs; every rank runs its forward
+        pass (meeting at each all-reduce); rank 0 samples from its logits."""
+        runner = self.model_runner
+        step = runner.prepare_step(scheduler_output)
+        inputs = step.inputs
+        try:
+            self.start_step(step_message(inputs["attn_metadata"], inputs["input_ids"], inputs["position_ids"]))
+            t0 = time.perf_counter()
+            logits = runner.forward(step)
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            parallel = self.finish_step(time.perf_counter() - t0)
+        except BaseException:  # the ranks are out of step: the group is done
+            self.shutdown(grace=0)
+            raise
+        output = runner.sample_step(step, logits)
+        output.parallel = parallel
+        return output
 
     def start_step(self, message: dict[str, np.ndarray]) -> None:
         """Send the step's inputs to every worker (they start their forward at once)."""
