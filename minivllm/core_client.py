@@ -45,7 +45,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
 from minivllm.config import COMPONENT_FIELDS, EngineConfig
 from minivllm.core.scheduler import check_priority
-from minivllm.engine_core import (
+from minivllm.engine_core_proc import (
     IDLE_POLL_MS,
     Abort,
     AddRequest,

@@ -7,7 +7,7 @@ one interpreter lock, so every millisecond of JSON is a millisecond the model wa
 vLLM V1 therefore splits them (``EngineCoreProc``), and so does minivllm:
 
     API server process                              engine core process
-    (AsyncMPEngine: HTTP, tokenize,    AddRequest   (EngineCoreProc: LLMEngine =
+    (AsyncMPEngine: HTTP, tokenize,    AddRequest   (EngineCoreProc: EngineCore =
      chat template, SSE;              ----------->   scheduler, KV cache manager,
      OutputProcessor: detokenize,      Abort,        model runner, the step loop)
      stop strings, logprob dicts)     FinishRequests
@@ -29,8 +29,8 @@ server process that has imported torch, nothing of the server's inherited) and i
 on SIGTERM, and ends by itself when its parent has gone, so it never outlives the
 server. A failed step is reported as ``Failed`` before the process exits.
 
-The core never makes text: its ``LLMEngine`` is built with ``output_processing=False``.
-Stop strings are text, so the server's ``OutputProcessor`` finds them, and sends
+The core never makes text: it runs an :class:`~minivllm.engine_core.EngineCore`, whose
+steps give token ids, and trusts the server to have checked every request. Stop strings are text, so the server's ``OutputProcessor`` finds them, and sends
 ``FinishRequests`` to free the request's blocks (vLLM sends an abort). Until it arrives
 the core may run the request one step more; the server drops what that step gave.
 
@@ -48,7 +48,7 @@ import msgspec
 import zmq
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine_core import EngineCore
 from minivllm.output_processor import EngineCoreOutput, FrontEndFinish
 from minivllm.processor import ProcessedPrompt
 from minivllm.sampling_params import SamplingParams
@@ -134,8 +134,7 @@ FromCore = Ready | StepOutputs | UtilityResult | Failed
 class EngineCoreProc:
     """The busy loop: read what arrived, step, send what came out."""
 
-    def __init__(self, engine: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
-        """``engine``: built with ``output_processing=False`` (its steps give token ids)."""
+    def __init__(self, engine: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket) -> None:
         self.engine = engine
         self.inbox, self.outbox = inbox, outbox
         self.decoder = msgspec.msgpack.Decoder(ToCore)
@@ -181,7 +180,7 @@ class EngineCoreProc:
         elif isinstance(message, Abort):
             live = [i for i in message.request_ids if i in engine.scheduler.requests]
             if live:
-                engine.abort_request(live)
+                engine.abort_requests(live)
         elif isinstance(message, FinishRequests):
             engine.finish_requests(message.finishes)
         elif isinstance(message, Utility):
@@ -210,7 +209,7 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (Failed) leave before exit
     encoder = msgspec.msgpack.Encoder()
     try:
-        core = EngineCoreProc(LLMEngine(config, output_processing=False), inbox, outbox)
+        core = EngineCoreProc(EngineCore(config), inbox, outbox)
         core.run()
     except BaseException as e:
         logger.exception("the engine core failed")
