@@ -27,11 +27,17 @@ connections, streaming tokens and noticing disconnects for that long. So:
   (the forward pass) stops the loop: then every stream ends with
   :class:`EngineDeadError` and ``error`` is set, which ``/health`` reports.
 
-In vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``) does the same job, with the
-engine core in a separate process talking over ZeroMQ instead of a thread. minivllm has
-that too: :class:`~minivllm.core_client.AsyncMPEngine` keeps everything here (streams,
-tokenizing, bounded waiting) and moves the engine core into its own process
-(``minivllm.engine_core``); ``minivllm serve`` uses it.
+Where the engine runs is the business of an *engine-core client*
+(``minivllm.core_client``), chosen by composition: :class:`~minivllm.core_client.InprocClient`
+steps an ``LLMEngine`` on the thread described above; :class:`~minivllm.mp_client.AsyncMPClient`
+talks to an engine core in a process of its own (``minivllm.engine_core_proc``), which is
+what ``minivllm serve`` uses (:class:`~minivllm.core_client.AsyncMPEngine`). Everything
+above the client (streams, tokenizing, bounded waiting, aborts) is this class, the same
+for both.
+
+In vLLM: ``vllm/v1/engine/async_llm.py`` (``AsyncLLM``) does the same job over its
+``core_client.py`` (``AsyncMPClient``; the engine core in a separate process talking
+over ZeroMQ).
 """
 
 from __future__ import annotations
@@ -39,30 +45,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-from minivllm.engine import LLMEngine
-from minivllm.exceptions import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.config import EngineConfig
+from minivllm.core_client import EngineCoreClient, InprocClient
+from minivllm.exceptions import EngineDeadError, EngineOverloadedError, ValidationError
+from minivllm.mp_client import AsyncMPClient
 from minivllm.outputs import RequestOutput
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from minivllm.engine import LLMEngine
+
+__all__ = ["AsyncLLMEngine", "AsyncMPEngine", "EngineDeadError", "EngineOverloadedError", "RequestStream"]
+
 logger = logging.getLogger("minivllm")
 
-T = TypeVar("T")
 Message = dict[str, Any]
 Prompt = str | dict | list[Message]
 """A text prompt, ``{"prompt_token_ids": [...]}``, or a chat conversation (templated)."""
-
-
-class EngineOverloadedError(RuntimeError):
-    """Too many requests are queued; the caller should retry later (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The stepping loop failed; the engine serves nothing more (HTTP 500)."""
 
 
 class RequestStream:
@@ -105,135 +110,118 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 reject_over_length: bool = True) -> None:
-        """``max_waiting``: refuse new requests while this many are queued (None: no
-        limit). ``reject_over_length``: refuse ``max_tokens`` that cannot fit after the
-        prompt (what an API server should say) instead of clamping it (what the offline
-        ``LLM`` does)."""
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | None = None, max_waiting: int | None = None,
+                 reject_over_length: bool = True, *, client: EngineCoreClient | None = None) -> None:
+        """``engine``: an ``LLMEngine`` to step on a thread of this process; or ``client``:
+        any engine-core client (``minivllm.core_client``). ``max_waiting``: refuse new
+        requests while this many are queued (None: no limit). ``reject_over_length``:
+        refuse ``max_tokens`` that cannot fit after the prompt (what an API server should
+        say) instead of clamping it (what the offline ``LLM`` does)."""
+        if (engine is None) == (client is None):
+            raise TypeError("AsyncLLMEngine takes an engine or a client, one of the two")
+        self.client: EngineCoreClient = client or InprocClient(engine)
         self.max_waiting = max_waiting
         self.reject_over_length = reject_over_length
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-engine")
         # One thread: requests are tokenized one after another, never on the stepping thread.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="minivllm-tokenize")
         self._streams: dict[str, RequestStream] = {}
-        self._aborts: set[str] = set()
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._engine_busy = False
         self._adding: set[str] = set()
-        """Ids being tokenized or added, not yet in the scheduler's waiting queue."""
-        self._counts_lock = threading.Lock()
-        """Held while the stepping thread moves an id from ``_adding`` into ``num_waiting``
-        (or refreshes the counts) and while ``num_queued`` reads them, so that no
-        admission check sees a request counted twice (a spurious 503) or not at all."""
-        self.num_waiting = 0
-        """Requests the scheduler has not admitted yet, as of the last engine call."""
-        self.num_running = 0
-        self.kv_cache_usage = 0.0
-        self.error: BaseException | None = None
+        """Ids being tokenized, not yet handed to the client (which counts them from then)."""
+        self._started = False
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
-        """Start the stepping task on the running event loop."""
-        if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="minivllm-step-loop")
+        """Start the client on the running event loop (an engine core process starts
+        loading its model, and ``is_ready`` is False until it has)."""
+        if not self._started:
+            self._started = True
+            self.client.start(self._route, self._fail_streams)
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
         self.end_streams("the server is shutting down")
-        if self.error is None:  # leave the engine clean for whoever uses it next
-            await self.call(self._abort_all)
-        await asyncio.to_thread(self._executor.shutdown, True)
+        if self._started:
+            await self.client.shutdown()
         await asyncio.to_thread(self._tokenizer_pool.shutdown, True, cancel_futures=True)
 
     def end_streams(self, reason: str) -> None:
         """End every open stream with :class:`EngineDeadError` and abort its request, so
         clients get a clear last message instead of a cut connection."""
-        for request_id, stream in self._streams.items():
+        ids = list(self._streams)
+        for stream in self._streams.values():
             stream.put(EngineDeadError(reason))
-            self._aborts.add(request_id)
         self._streams.clear()
-        if self._wakeup is not None:
-            self._wakeup.set()
+        if ids and self.client.error is None:
+            self.client.abort(ids)
 
-    def _abort_all(self) -> None:
-        pending = list(self.engine.scheduler.requests)
-        if pending:
-            self.engine.abort_request(pending)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """The client's outputs, each to its request's stream (on the event loop)."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: its consumer has gone; drop it
+                stream.put(out)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        """The client's engine has died: every open stream ends with EngineDeadError."""
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(f"the engine failed: {error}"))
+        self._streams.clear()
+
+    # -- what the server reads ----------------------------------------------------------
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine died (``/health`` then answers 500); None while it serves."""
+        return self.client.error
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and self.error is None
+        return self._started and self.client.error is None
 
     @property
     def is_ready(self) -> bool:
-        """Ready to take requests (in one process: at once; see ``AsyncMPEngine``)."""
-        return True
+        """Ready to take requests (an engine core process: once its model is loaded)."""
+        return self.client.is_ready
 
     @property
     def processor(self) -> Processor:
         """Tokenizes and checks prompts (on the tokenizer thread)."""
-        return self.engine.processor
+        return self.client.processor
 
     @property
     def max_model_len(self) -> int | None:
-        return self.engine.max_model_len
+        return self.client.max_model_len
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.scheduler.max_num_seqs
+        return self.client.max_num_seqs
+
+    @property
+    def num_running(self) -> int:
+        return self.client.num_running
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.client.kv_cache_usage
 
     @property
     def num_queued(self) -> int:
         """Requests that actually wait: those queued in the scheduler or on their way to
-        it, less the seats (``max_num_seqs``) free for them at the next step."""
-        with self._counts_lock:
-            free_seats = max(0, self.max_num_seqs - self.num_running)
-            return max(0, self.num_waiting + len(self._adding) - free_seats)
-
-    # -- calls into the engine, always on the stepping thread -------------------------
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the stepping thread, between two steps."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _snapshot(self, added: str | None = None) -> None:
-        scheduler = self.engine.scheduler
-        with self._counts_lock:
-            self.num_waiting = len(scheduler.waiting)
-            self.num_running = len(scheduler.running)
-            if added is not None:
-                self._adding.discard(added)  # now counted in num_waiting instead
-        self.kv_cache_usage = self.engine.kv_cache_manager.usage
-
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-             priority: int = 0) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params, priority=priority)
-            self._snapshot(added=request_id)
-        finally:
-            with self._counts_lock:
-                self._adding.discard(request_id)  # refused by the engine: counted nowhere
+        it (being tokenized, or handed to the client and not yet seen by the scheduler),
+        less the seats (``max_num_seqs``) free for them at the next step."""
+        free_seats = max(0, self.max_num_seqs - self.num_running)
+        return max(0, len(self._adding) + self.client.num_waiting_or_on_the_way - free_seats)
 
     def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
-        """Template or tokenize (on the tokenizer thread, through the engine's
-        :class:`~minivllm.processor.Processor`); refuse a ``max_tokens`` that cannot fit."""
+        """Template or tokenize, and check everything the processor checks (on the
+        tokenizer thread): bad input is refused before it reaches the engine. A
+        ``max_tokens`` that cannot fit is refused too."""
         processor = self.processor
+        params = processor.check_params(params)
         if isinstance(prompt, list):  # chat messages
             processed = processor.process_chat(prompt)
         else:
             processed = processor.process_prompt(prompt)
+        processor.check_request(processed, params)
         n, max_len = len(processed.prompt_token_ids), processor.max_model_len
         if self.reject_over_length and params.max_tokens is not None and 0 < n < max_len < n + params.max_tokens:
             raise ValidationError(
@@ -243,44 +231,11 @@ class AsyncLLMEngine:
                 f"{max_len - n} can be generated", params.max_tokens)
         return processed
 
-    def _step(self, aborts: set[str]) -> tuple[list[RequestOutput], bool]:
-        live = [i for i in aborts if self.engine.has_request(i)]
-        if live:
-            self.engine.abort_request(live)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        self._snapshot()
-        return outputs, self.engine.has_unfinished_requests()
-
-    # -- the stepping loop -----------------------------------------------------------
-    async def _run_loop(self) -> None:
-        try:
-            while True:
-                if not (self._aborts or self._engine_busy or self._wakeup.is_set()):
-                    await self._wakeup.wait()
-                # Clear before stepping: a request added during this step sets it again.
-                self._wakeup.clear()
-                # Take the pending aborts here, on the loop: the thread gets its own set.
-                aborts, self._aborts = self._aborts, set()
-                outputs, self._engine_busy = await self.call(self._step, aborts)
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:  # None: its consumer has gone; drop it
-                        stream.put(out)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # a bug or out-of-memory in a step: fail loudly
-            logger.exception("the engine step loop failed; no more requests will be served")
-            self.error = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine failed: {e!r}"))
-            self._streams.clear()
-
     def _abort_later(self, request_id: str) -> None:
         """Abort before the next step (if the request is still in the engine by then)."""
         self._streams.pop(request_id, None)
-        self._aborts.add(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        if self.client.error is None:
+            self.client.abort([request_id])
 
     # -- the public API ---------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
@@ -291,18 +246,19 @@ class AsyncLLMEngine:
         Raises :class:`EngineOverloadedError` when ``max_waiting`` requests wait,
         :class:`~minivllm.exceptions.ValidationError` (``param`` names the field) for
         invalid input (nothing is queued then), and :class:`EngineDeadError` when the
-        stepping loop has failed.
+        engine has failed.
         """
-        if self._task is None:
-            self.start()
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed earlier: {self.error!r}")
+        self.start()
+        if self.client.error is None:
+            await self.client.wait_ready()
+        if self.client.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.client.error!r}")
         if self.max_waiting is not None and self.num_queued >= self.max_waiting:
             raise EngineOverloadedError(
                 f"the server is at capacity: {self.num_queued} requests are waiting "
                 f"(max_waiting={self.max_waiting}); retry later"
             )
-        if request_id in self._streams or request_id in self._aborts or request_id in self._adding:
+        if request_id in self._streams or request_id in self._adding or self.client.in_use(request_id):
             raise ValidationError("request_id", f"request_id {request_id!r} is already in use",
                                   request_id)
         stream = RequestStream(request_id, self)
@@ -316,8 +272,10 @@ class AsyncLLMEngine:
             self._adding.discard(request_id)
             raise
         self._streams[request_id] = stream  # before the add: the first output may come soon
+        # From here the client counts it (both lines run before anything else on the loop).
+        self._adding.discard(request_id)
         try:
-            await self.call(self._add, request_id, engine_prompt, params, priority)
+            await self.client.add_request(request_id, engine_prompt, params, priority)
         except (ValueError, TypeError):  # invalid input: nothing was queued
             stream.finished = True
             self._streams.pop(request_id, None)
@@ -325,9 +283,6 @@ class AsyncLLMEngine:
         except BaseException:  # cancelled while waiting: the add may still run, so abort
             stream.close()
             raise
-        finally:
-            self._adding.discard(request_id)  # if the thread never got to it
-        self._wakeup.set()
         return stream
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
@@ -346,15 +301,38 @@ class AsyncLLMEngine:
         """Abort a request; its stream ends with a final output, finish_reason "abort".
         Part of the vLLM-shaped API (``AsyncLLM.abort``): the server never calls it, as
         closing a request's stream aborts it too."""
-        self._aborts.add(request_id)
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self.client.abort([request_id])
 
     async def get_metrics(self) -> list:
-        """The engine's metric records (``LLMEngine.get_metrics``), read between steps."""
-        return await self.call(self.engine.get_metrics)
+        """The engine's metric records (``EngineCore.get_metrics``), read between steps."""
+        return await self.client.get_metrics()
 
     async def reset_prefix_cache(self) -> bool:
-        """Forget every cached block no request holds (``LLMEngine.reset_prefix_cache``),
+        """Forget every cached block no request holds (``EngineCore.reset_prefix_cache``),
         between steps; False when a running request still holds blocks."""
-        return await self.call(self.engine.reset_prefix_cache)
+        return await self.client.reset_prefix_cache()
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` where the engine runs, between two steps (the engine's own
+        thread with :class:`~minivllm.core_client.InprocClient`)."""
+        return await self.client.call(fn, *args)
+
+
+class AsyncMPEngine(AsyncLLMEngine):
+    """The async engine over an engine core in its own process (``minivllm serve``): the
+    same front end, with an :class:`~minivllm.mp_client.AsyncMPClient`."""
+
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None,
+                 reject_over_length: bool = True,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        super().__init__(max_waiting=max_waiting, reject_over_length=reject_over_length,
+                         client=AsyncMPClient(config, tokenizer))
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.client.config
+
+    @property
+    def pid(self) -> int | None:
+        """The engine core process's id."""
+        return self.client.pid

@@ -1,321 +1,241 @@
-"""AsyncMPEngine: the async engine with its engine core in another process (notebook 10).
+"""Engine-core clients: where the async engine's engine core runs (notebook 10).
 
-:class:`~minivllm.async_engine.AsyncLLMEngine` runs the engine on a thread of the server
-process; this subclass keeps all of its front-end work (streams, tokenizing on a thread,
-bounded waiting, aborts when a client goes) and replaces the thread with a process,
-:mod:`minivllm.engine_core`. What changes:
+:class:`~minivllm.async_engine.AsyncLLMEngine` is one front end (streams, tokenizing on a
+thread, bounded waiting, aborts when a client goes). What it drives is a *client* of an
+engine core, chosen by composition, and every client answers the same calls
+(:class:`EngineCoreClient`):
 
-* **Start.** ``start()`` starts the core process (``minivllm.system_utils``) and returns at once; the core loads the model
-  and answers ``Ready`` with the numbers the server needs to check prompts itself
-  (``max_model_len`` depends on the KV cache it sized). Until then ``is_ready`` is
-  False (``/health`` answers 503) and new requests wait for it.
-* **Requests.** The server tokenizes with its own tokenizer and :class:`~minivllm.processor.Processor`, and
-  sends token ids (``AddRequest``). Aborts leave at once (``Abort``); the core applies
-  them before its next step.
-* **Outputs.** One task reads the core's ``StepOutputs``: new token ids per request. The
-  :class:`~minivllm.output_processor.OutputProcessor`, the same class the in-process engine
-  uses, makes the text (each token detokenized once, here), cuts it at stop strings
-  (and tells the core with ``FinishRequests``) and hands each stream a ``RequestOutput``
-  just like the in-process one.
-* **Death.** If the core process exits (a failed step, a kill, out of memory), ``error``
-  is set, ``/health`` answers 500 and every open stream ends with
-  :class:`~minivllm.async_engine.EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
-* **Shutdown.** ``Shutdown`` to the core, a join, and a kill if it does not go.
+* :class:`InprocClient`: an ``LLMEngine`` in this process, stepped on one worker thread
+  (``AsyncLLMEngine(engine)``; the thread server, tests, notebook 10).
+* :class:`~minivllm.mp_client.AsyncMPClient`: an engine core in a process of its own
+  (``minivllm.engine_core_proc``); ``minivllm serve`` uses it
+  (:class:`~minivllm.async_engine.AsyncMPEngine`).
 
-In vLLM: ``vllm/v1/engine/core_client.py`` (``AsyncMPClient``) and the
-``OutputProcessor`` of ``vllm/v1/engine/output_processor.py``, both used by ``AsyncLLM``.
+In vLLM: ``vllm/v1/engine/core_client.py`` (``InprocClient``, ``AsyncMPClient``), used by
+``AsyncLLM``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import concurrent.futures
 import logging
-import multiprocessing
-import os
-import pickle
-import tempfile
+import threading
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
-import zmq
-import zmq.asyncio
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
-from minivllm.async_engine import AsyncLLMEngine, EngineDeadError, Prompt, RequestStream
-from minivllm.config import COMPONENT_FIELDS, EngineConfig
-from minivllm.core.scheduler import check_priority
-from minivllm.engine_core_proc import (
-    IDLE_POLL_MS,
-    Abort,
-    AddRequest,
-    Failed,
-    FinishRequests,
-    FromCore,
-    Ready,
-    Shutdown,
-    StepOutputs,
-    Utility,
-    UtilityResult,
-    run_engine_core,
-)
-from minivllm.exceptions import ValidationError
-from minivllm.metrics import RequestMetrics
-from minivllm.model_loader import resolve_model_dir
-from minivllm.output_processor import OutputProcessor
-from minivllm.parallel_sampling import ParentRequest
+from minivllm.engine import LLMEngine
+from minivllm.outputs import RequestOutput
 from minivllm.processor import ProcessedPrompt, Processor
 from minivllm.sampling_params import SamplingParams
-from minivllm.system_utils import get_mp_context, with_environment
 
 logger = logging.getLogger("minivllm")
 
+OnOutputs = Callable[[list[RequestOutput]], None]
+OnDead = Callable[[BaseException], None]
 
-class AsyncMPEngine(AsyncLLMEngine):
-    def __init__(self, config: EngineConfig, max_waiting: int | None = None,
-                 reject_over_length: bool = True,
-                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        """``config``: the engine core's settings (it is built in the other process; a
-        learner's component must be a ``'module:Class'`` string to cross). The
-        tokenizer is loaded here from ``config.model`` unless given."""
-        super().__init__(None, max_waiting, reject_over_length)  # type: ignore[arg-type]
-        config.verify()
-        for name in COMPONENT_FIELDS:  # a class object would not reach a fresh interpreter
-            if not isinstance(getattr(config, name), str):
-                raise ValidationError(name, f"{name} must be a 'module:Class' string for an engine "
-                                      f"core in its own process, got {getattr(config, name)!r}",
-                                      getattr(config, name))
-        self.config = config
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(resolve_model_dir(config.model))
-        self._processor: Processor | None = None
-        self._ready: Ready | None = None
-        self._ready_event: asyncio.Event | None = None
-        self._process: multiprocessing.process.BaseProcess | None = None
-        self.output_processor = OutputProcessor(self.tokenizer)
-        """Text, stop strings, logprob dicts, n > 1 gathering: the core sends token ids only."""
-        self._calls: dict[int, asyncio.Future] = {}
-        self._call_ids = itertools.count()
-        self._num_sent = 0
-        self._num_added = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(FromCore)
 
-    # -- what the base class reads from the engine ---------------------------------------
+class EngineCoreClient:
+    """What the front end asks of an engine core, wherever it runs. The callbacks given
+    to :meth:`start` are called on the event loop: each step's outputs, and the error
+    once if the engine dies."""
+
+    error: BaseException | None = None
+    """Why the engine died; None while it serves."""
+    num_running: int = 0
+    """Requests running, as of the last step."""
+    kv_cache_usage: float = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        raise NotImplementedError
+
+    async def wait_ready(self) -> None:
+        """Until requests can be taken; EngineDeadError if that will never be."""
+
+    async def shutdown(self) -> None:
+        raise NotImplementedError
+
+    # -- what the front end reads -----------------------------------------------------------
     @property
     def is_ready(self) -> bool:
-        return self._ready is not None and self.error is None
+        raise NotImplementedError
 
     @property
     def processor(self) -> Processor:
-        return self._processor
+        raise NotImplementedError
 
     @property
     def max_model_len(self) -> int | None:
-        return self._ready.max_model_len if self._ready else None
+        raise NotImplementedError
 
     @property
     def max_num_seqs(self) -> int:
-        return self._ready.max_num_seqs if self._ready else self.config.max_num_seqs
+        raise NotImplementedError
 
     @property
-    def num_queued(self) -> int:
-        """As in the base class; "on their way" are the adds the core has not seen yet."""
-        free_seats = max(0, self.max_num_seqs - self.num_running)
-        on_the_way = len(self._adding) + self._num_sent - self._num_added
-        return max(0, self.num_waiting + on_the_way - free_seats)
+    def num_waiting_or_on_the_way(self) -> int:
+        """Requests the scheduler has not admitted: waiting in it, or handed to this
+        client and not yet seen by it."""
+        raise NotImplementedError
 
-    @property
-    def pid(self) -> int | None:
-        """The engine core process's id."""
-        return self._process.pid if self._process is not None else None
+    def in_use(self, request_id: str) -> bool:
+        """Whether the id still belongs to a request here (a new one may not take it)."""
+        raise NotImplementedError
 
-    # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the engine core process and start reading from it; returns before it is ready."""
-        if self._task is not None:
-            return
-        self._wakeup = asyncio.Event()  # unused here, but the base class sets it
-        self._ready_event = asyncio.Event()
-        self._dir = tempfile.TemporaryDirectory(prefix="minivllm-")
-        to_core, from_core = (f"ipc://{self._dir.name}/{name}" for name in ("in", "out"))
-        self._context = zmq.asyncio.Context()
-        self._to_core = self._context.socket(zmq.PUSH)
-        self._to_core.bind(to_core)
-        self._from_core = self._context.socket(zmq.PULL)
-        self._from_core.bind(from_core)
-        self._process = get_mp_context().Process(
-            target=with_environment, name="minivllm-engine-core", daemon=True,
-            args=(dict(os.environ), run_engine_core, self.config, to_core, from_core,
-                  logger.getEffectiveLevel()))
-        self._process.start()
-        self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="minivllm-core-reader")
+    # -- requests ----------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                          priority: int = 0) -> None:
+        """Queue a checked request (ValueError/TypeError if the engine still refuses it)."""
+        raise NotImplementedError
 
-    async def wait_ready(self) -> None:
-        """Wait until the core has loaded the model; EngineDeadError if it never will."""
-        if self._task is None:
-            self.start()
-        await self._ready_event.wait()
-        if self.error is not None:
-            raise EngineDeadError(f"the engine failed: {self.error!r}")
-
-    async def shutdown(self) -> None:
-        if self._task is None:
-            return
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        self.end_streams("the server is shutting down")
-        process = self._process
-        if process.is_alive():
-            try:
-                await self._to_core.send(self._encoder.encode(Shutdown()))
-            except zmq.ZMQError:
-                pass
-            await asyncio.to_thread(process.join, 10)
-        if process.is_alive():  # it did not go in time
-            process.kill()
-            await asyncio.to_thread(process.join, 5)
-        self._to_core.close(linger=0)
-        self._from_core.close(linger=0)
-        self._context.term()
-        self._dir.cleanup()
-        await asyncio.to_thread(self._tokenizer_pool.shutdown, True, cancel_futures=True)
-        self._executor.shutdown(False)
-
-    def end_streams(self, reason: str) -> None:
-        """End every open stream with EngineDeadError; abort their requests in the core."""
-        ids = list(self._streams)
-        for stream in self._streams.values():
-            stream.put(EngineDeadError(reason))
-        self._streams.clear()
-        if ids:
-            self._send_abort(ids)
-
-    # -- the reader ----------------------------------------------------------------------------
-    async def _receive(self) -> FromCore:
-        """The core's next message; EngineDeadError if its process has ended."""
-        while not await self._from_core.poll(IDLE_POLL_MS):
-            if not self._process.is_alive():
-                raise EngineDeadError(f"the engine core process exited (exit code "
-                                      f"{self._process.exitcode})")
-        message = self._decoder.decode(await self._from_core.recv())
-        if isinstance(message, Failed):
-            raise EngineDeadError(f"the engine core failed: {message.error}")
-        return message
-
-    async def _run_loop(self) -> None:
-        try:
-            ready = await self._receive()
-            assert isinstance(ready, Ready), ready
-            self._processor = Processor(self.tokenizer, ready.vocab_size, ready.max_model_len,
-                                        ready.max_num_batched_tokens, ready.enable_chunked_prefill)
-            self._ready = ready
-            self._ready_event.set()
-            logger.info("the engine core (pid %d) is ready", self._process.pid)
-            while True:
-                message = await self._receive()
-                if isinstance(message, StepOutputs):
-                    self._process_outputs(message)
-                elif isinstance(message, UtilityResult):
-                    future = self._calls.pop(message.call_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(pickle.loads(message.result))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            if not isinstance(e, EngineDeadError):
-                logger.exception("reading from the engine core failed")
-            else:
-                logger.error("%s; no more requests will be served", e)
-            self.error = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine failed: {e}"))
-            self._streams.clear()
-            self.output_processor = OutputProcessor(self.tokenizer)
-            for future in self._calls.values():
-                if not future.done():
-                    future.set_exception(EngineDeadError(f"the engine failed: {e}"))
-            self._ready_event.set()  # wake whoever waits for readiness: it will not come
-
-    def _process_outputs(self, message: StepOutputs) -> None:
-        self.num_waiting, self.num_running = message.num_waiting, message.num_running
-        self.kv_cache_usage, self._num_added = message.kv_cache_usage, message.num_added
-        processed = self.output_processor.process_outputs(message.outputs)
-        if processed.finishes:  # stop strings found here: the core frees their blocks
-            self._to_core.send(self._encoder.encode(FinishRequests(processed.finishes)))
-        for output in processed.request_outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:  # None: its consumer has gone; drop it
-                stream.put(output)
-
-    # -- requests in and out ---------------------------------------------------------------------
-    async def call(self, fn: Any, *args: Any) -> Any:
-        """No stepping thread here: what the base class runs "between steps" is a send."""
-        return fn(*args)
-
-    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
-        """Every check the in-process engine makes on adding, made here: bad input is
-        refused (400) before it is sent, and never reaches the core."""
-        processed = super()._preprocess(prompt, self.processor.check_params(params))
-        self.processor.check_request(processed, params)
-        return processed
-
-    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-             priority: int = 0) -> None:
-        """Send the request to the core; with n > 1, its n children (as vLLM's front end
-        does: the core never sees a parent)."""
-        try:
-            if params.n > 1:
-                parent = ParentRequest(request_id, params)
-                self.output_processor.parents.add(parent)
-                children = parent.children()
-            else:
-                children = [(request_id, params)]
-            ids = prompt.prompt_token_ids
-            for child_id, child_params in children:
-                self.output_processor.add_request(
-                    child_id, prompt.prompt, ids, params.stop, params.min_tokens, params.logprobs is not None,
-                    RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
-                self._to_core.send(self._encoder.encode(
-                    AddRequest(child_id, list(ids), prompt.prompt, child_params, priority)))
-                self._num_sent += 1
-        finally:
-            self._adding.discard(request_id)
-
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
-        # Checked here, as the prompt is: a request the core would refuse is never sent.
-        check_priority(priority, self.config.scheduling_policy)
-        if self.error is None:
-            await self.wait_ready()
-        return await super().add_request(request_id, prompt, params, priority)
-
-    def _send_abort(self, request_ids: list[str]) -> None:
-        if self.error is None and self._task is not None:
-            self._to_core.send(self._encoder.encode(Abort(self.output_processor.parents.expand(request_ids))))
-
-    def _abort_later(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._send_abort([request_id])
-
-    async def abort(self, request_id: str) -> None:
-        self._send_abort([request_id])
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort before the next step (ids no longer in the engine are ignored)."""
+        raise NotImplementedError
 
     async def get_metrics(self) -> list:
-        """The core's metric records, fetched between two of its steps."""
-        return await self._utility("get_metrics")
+        raise NotImplementedError
 
     async def reset_prefix_cache(self) -> bool:
-        """The core forgets every cached block no request holds, between two steps."""
-        return await self._utility("reset_prefix_cache")
+        raise NotImplementedError
 
-    async def _utility(self, method: str) -> Any:
-        """Call ``method`` of the core's engine (no arguments) and wait for its result."""
-        await self.wait_ready()
-        call_id = next(self._call_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
-        await self._to_core.send(self._encoder.encode(Utility(call_id, method)))
-        return await future
+
+class InprocClient(EngineCoreClient):
+    """An ``LLMEngine`` in this process, stepped on one worker thread.
+
+    Every call into the engine (add, abort, step, metrics) runs on that thread, one after
+    another: the engine is not thread-safe and never needs to be. One task keeps the
+    thread stepping while any request is unfinished and sleeps when there is nothing to
+    do. Aborts are collected and applied just before the next step, so an aborted
+    request's KV blocks are free after that step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-engine")
+        self._aborts: set[str] = set()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._busy = False
+        self._on_the_way: set[str] = set()
+        """Ids handed to :meth:`add_request`, not yet counted in ``num_waiting``."""
+        self._counts_lock = threading.Lock()
+        """Held while the stepping thread moves an id from ``_on_the_way`` into
+        ``num_waiting`` (or refreshes the counts) and while the front end reads them, so
+        that no admission check sees a request counted twice (a spurious 503) or not at all."""
+        self.num_waiting = 0
+        """Requests the scheduler has not admitted yet, as of the last engine call."""
+
+    def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(
+            self._run_loop(on_outputs, on_dead), name="minivllm-step-loop")
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self.error is None:  # leave the engine clean for whoever uses it next
+            await self.call(self._abort_all)
+        await asyncio.to_thread(self._thread.shutdown, True)
+
+    def _abort_all(self) -> None:
+        pending = list(self.engine.scheduler.requests)
+        if pending:
+            self.engine.abort_request(pending)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    @property
+    def is_ready(self) -> bool:
+        return True
+
+    @property
+    def processor(self) -> Processor:
+        return self.engine.processor
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    @property
+    def num_waiting_or_on_the_way(self) -> int:
+        with self._counts_lock:
+            return self.num_waiting + len(self._on_the_way)
+
+    def in_use(self, request_id: str) -> bool:
+        # The engine refuses ids it holds; an id whose abort is pending would be aborted
+        # again, with the new request under it, by the next step.
+        return request_id in self._aborts or request_id in self._on_the_way
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the stepping thread, between two steps."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                          priority: int = 0) -> None:
+        with self._counts_lock:  # counted from now (before anything else runs on the loop)
+            self._on_the_way.add(request_id)
+        try:
+            await self.call(self._add, request_id, prompt, params, priority)
+        finally:
+            with self._counts_lock:
+                self._on_the_way.discard(request_id)  # if the thread never got to it
+        self._wakeup.set()
+
+    def _add(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, priority: int) -> None:
+        self.engine.add_request(request_id, prompt, params, priority=priority)
+        self._snapshot(added=request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._aborts.update(request_ids)
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def get_metrics(self) -> list:
+        return await self.call(self.engine.get_metrics)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(self.engine.reset_prefix_cache)
+
+    def _snapshot(self, added: str | None = None) -> None:
+        scheduler = self.engine.scheduler
+        with self._counts_lock:
+            self.num_waiting = len(scheduler.waiting)
+            self.num_running = len(scheduler.running)
+            if added is not None:
+                self._on_the_way.discard(added)  # now counted in num_waiting instead
+        self.kv_cache_usage = self.engine.kv_cache_manager.usage
+
+    def _step(self, aborts: set[str]) -> tuple[list[RequestOutput], bool]:
+        live = [i for i in aborts if self.engine.has_request(i)]
+        if live:
+            self.engine.abort_request(live)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self._snapshot()
+        return outputs, self.engine.has_unfinished_requests()
+
+    async def _run_loop(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
+        try:
+            while True:
+                if not (self._aborts or self._busy or self._wakeup.is_set()):
+                    await self._wakeup.wait()
+                # Clear before stepping: a request added during this step sets it again.
+                self._wakeup.clear()
+                # Take the pending aborts here, on the loop: the thread gets its own set.
+                aborts, self._aborts = self._aborts, set()
+                outputs, self._busy = await self.call(self._step, aborts)
+                on_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug or out-of-memory in a step: fail loudly
+            logger.exception("the engine step loop failed; no more requests will be served")
+            self.error = e
+            on_dead(e)

@@ -81,3 +81,12 @@ def _check_range(param: str, value: float, minimum: float | None, maximum: float
         raise ValidationError(param, f"{param} must be >= {minimum}, got {value}", value)
     if maximum is not None and value > maximum:
         raise ValidationError(param, f"{param} must be <= {maximum}, got {value}", value)
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are queued; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step loop (or its engine core process) failed; it serves nothing
+    more (HTTP 500). vLLM: ``vllm/v1/engine/exceptions.py``."""

@@ -51,7 +51,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minivllm.async_engine import AsyncLLMEngine, EngineDeadError
+from minivllm.async_engine import AsyncLLMEngine, AsyncMPEngine, EngineDeadError
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError
@@ -110,7 +110,7 @@ def build_app(
     from ``llm_kwargs`` (``model=...``, ``max_num_seqs=...``) when it is None.
 
     ``engine_process``: run the engine core in a process of its own
-    (:class:`~minivllm.core_client.AsyncMPEngine`, what ``minivllm serve`` does); the
+    (:class:`~minivllm.async_engine.AsyncMPEngine`, what ``minivllm serve`` does); the
     default when ``llm`` is None. With an ``llm`` given, the engine runs on a thread of
     this process (:class:`AsyncLLMEngine`): a built engine cannot move to another process.
 
@@ -126,8 +126,6 @@ def build_app(
                          "pass llm=None and model=... instead")
     llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
     if llm is None and engine_process is not False:
-        from minivllm.core_client import AsyncMPEngine  # needs pyzmq and msgspec (serve extra)
-
         async_engine: AsyncLLMEngine = AsyncMPEngine(EngineConfig(**llm_kwargs), max_waiting=max_waiting)
         model_name = async_engine.config.model
     else:

@@ -52,7 +52,8 @@ import torch
 
 from minivllm.config import EngineConfig, size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput
-from minivllm.engine import LLMEngine, eos_token_id
+from minivllm.engine import LLMEngine
+from minivllm.executor import eos_token_id
 from minivllm.model_loader import DEFAULT_MODEL, cache_root, make_tiny_model
 from minivllm.model_runner import ModelRunnerOutput
 from minivllm.replay import replay_workload

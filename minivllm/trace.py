@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from minivllm.metrics import RequestMetrics
 
 if TYPE_CHECKING:
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.scheduler import Scheduler, SchedulerOutput
     from minivllm.distributed.executor import StepTiming
 
 
@@ -113,3 +115,32 @@ class Trace:
     def clear(self) -> None:
         self.steps.clear()
         self.requests.clear()
+
+
+def make_step_record(step: int, scheduler_output: SchedulerOutput, scheduler: Scheduler,
+                     kv: KVCacheManager, start: float, end: float, model_time: float, finished: list[str],
+                     accepted: dict[str, int], parallel: StepTiming | None = None) -> StepRecord:
+    """The record of a step that has just run: what was scheduled, and the scheduler and
+    KV cache as the step left them (block tables and reference counts copied)."""
+    refs = {b.block_id: b.ref_cnt for blocks in kv.req_to_blocks.values() for b in blocks}
+    return StepRecord(
+        step=step,
+        start=start,
+        end=end,
+        model_time=model_time,
+        scheduled=[
+            ScheduledChunk(s.request.request_id, s.num_new_tokens, s.num_computed_tokens, s.is_prefill,
+                           len(s.spec_token_ids), accepted.get(s.request.request_id, 0))
+            for s in scheduler_output.scheduled
+        ],
+        num_free_blocks=kv.block_pool.get_num_free_blocks(),
+        num_blocks=kv.num_blocks,
+        block_tables={r.request_id: kv.get_block_ids(r.request_id) for r in scheduler.running},
+        block_ref_counts=refs,
+        preempted=list(scheduler_output.preempted),
+        prefix_cache_hits=dict(scheduler_output.prefix_cache_hits),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        finished=finished,
+        parallel=parallel,
+    )

@@ -27,7 +27,7 @@ pytest.importorskip("msgspec")
 httpx = pytest.importorskip("httpx")
 from test_server import scrape, successes, wait_until_idle  # noqa: E402
 
-from minivllm.core_client import AsyncMPEngine  # noqa: E402
+from minivllm.async_engine import AsyncMPEngine  # noqa: E402
 from minivllm.detokenizer import IncrementalDetokenizer  # noqa: E402
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
