@@ -31,7 +31,7 @@ Where the engine runs is the business of an *engine-core client*
 (``minivllm.core_client``), chosen by composition: :class:`~minivllm.core_client.InprocClient`
 steps an ``LLMEngine`` on the thread described above; :class:`~minivllm.mp_client.AsyncMPClient`
 talks to an engine core in a process of its own (``minivllm.engine_core_proc``), which is
-what ``minivllm serve`` uses (:class:`~minivllm.core_client.AsyncMPEngine`). Everything
+what ``minivllm serve`` uses (:class:`AsyncMPEngine`). Everything
 above the client (streams, tokenizing, bounded waiting, aborts) is this class, the same
 for both.
 

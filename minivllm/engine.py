@@ -117,7 +117,7 @@ class LLMEngine(EngineCore):
         return request_id in self.scheduler.requests or request_id in self.output_processor.parents
 
     def step(self) -> list[RequestOutput]:  # type: ignore[override]
-        """The core's step, its outputs made into ``RequestOutput``s (see :meth:`EngineCore.step`)."""
+        """The core's step, its outputs made into ``RequestOutput`` objects (see :meth:`EngineCore.step`)."""
         return super().step()
 
     def _process_outputs(self, outputs: list[EngineCoreOutput], updated: list[Request]) -> list[RequestOutput]:
