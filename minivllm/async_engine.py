@@ -196,6 +196,11 @@ class AsyncLLMEngine:
         return self.client.max_num_seqs
 
     @property
+    def num_waiting(self) -> int:
+        """Requests the scheduler has not admitted yet, as of the last step."""
+        return self.client.num_waiting
+
+    @property
     def num_running(self) -> int:
         return self.client.num_running
 

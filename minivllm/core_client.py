@@ -42,6 +42,8 @@ class EngineCoreClient:
 
     error: BaseException | None = None
     """Why the engine died; None while it serves."""
+    num_waiting: int = 0
+    """Requests the scheduler has not admitted yet, as of the last step."""
     num_running: int = 0
     """Requests running, as of the last step."""
     kv_cache_usage: float = 0.0
@@ -122,8 +124,6 @@ class InprocClient(EngineCoreClient):
         """Held while the stepping thread moves an id from ``_on_the_way`` into
         ``num_waiting`` (or refreshes the counts) and while the front end reads them, so
         that no admission check sees a request counted twice (a spurious 503) or not at all."""
-        self.num_waiting = 0
-        """Requests the scheduler has not admitted yet, as of the last engine call."""
 
     def start(self, on_outputs: OnOutputs, on_dead: OnDead) -> None:
         self._wakeup = asyncio.Event()

@@ -94,7 +94,6 @@ class AsyncMPClient(EngineCoreClient):
         self._call_ids = itertools.count()
         self._num_sent = 0
         self._num_added = 0
-        self.num_waiting = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
 

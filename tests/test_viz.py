@@ -441,11 +441,13 @@ def test_process_split_draws_both_processes_and_each_message():
     ax = viz.plot_process_split().axes[0]
     assert set(patches_by_gid(ax, "process:")) == {"process:api_server", "process:engine_core"}
     arrows = {t.get_gid(): t for t in ax.texts if (t.get_gid() or "").startswith("message:")}
-    assert set(arrows) == {"message:AddRequest", "message:Abort", "message:StepOutputs"}
-    # requests and aborts go to the core (arrow head to the right), outputs come back
+    assert set(arrows) == {"message:AddRequest", "message:Abort", "message:FinishRequests",
+                           "message:StepOutputs"}
+    # requests, aborts and finishes go to the core (arrow head to the right), outputs come back
     heads = {gid: a.xy[0] > a.xyann[0] for gid, a in arrows.items()}
-    assert heads == {"message:AddRequest": True, "message:Abort": True, "message:StepOutputs": False}
-    for path in ("minivllm/engine_core.py", "minivllm/core_client.py", "minivllm/server.py"):
+    assert heads == {"message:AddRequest": True, "message:Abort": True, "message:FinishRequests": True,
+                     "message:StepOutputs": False}
+    for path in ("minivllm/engine_core_proc.py", "minivllm/mp_client.py", "minivllm/server.py"):
         assert any(path in t.get_text() for t in ax.texts) and (root / path).exists()
 
 

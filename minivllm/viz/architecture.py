@@ -115,11 +115,11 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
 
 # (title, module, what it does): the two sides of plot_process_split.
 _PROCESSES = {
-    "api_server": ("API server process", "minivllm/server.py, serving.py\nminivllm/core_client.py",
+    "api_server": ("API server process", "minivllm/server.py, async_engine.py\nminivllm/mp_client.py",
                    ["HTTP (FastAPI, uvicorn), API key, limits", "validation: 400 before the core",
-                    "chat template, tokenize", "detokenize: ids -> text, SSE stream",
-                    "abort on client disconnect"]),
-    "engine_core": ("Engine core process", "minivllm/engine_core.py\nminivllm/engine.py",
+                    "chat template, tokenize", "output processor: text, stop strings",
+                    "SSE stream; abort on client disconnect"]),
+    "engine_core": ("Engine core process", "minivllm/engine_core_proc.py\nminivllm/engine_core.py",
                     ["step loop: read messages, step, send", "scheduler: token budget, chunks",
                      "KV cache manager, block pool", "model runner, attention, sampler",
                      "never waits on a client"]),
@@ -128,6 +128,7 @@ _PROCESSES = {
 _PROCESS_MESSAGES = [
     ("api_server", "engine_core", "AddRequest", "prompt token ids, SamplingParams"),
     ("api_server", "engine_core", "Abort", "request ids, applied between two steps"),
+    ("api_server", "engine_core", "FinishRequests", "requests a stop string ended"),
     ("engine_core", "api_server", "StepOutputs", "each request's new token ids, finish\n"
      "reasons, scheduler gauges: one per step"),
 ]
@@ -141,7 +142,8 @@ def plot_process_split(ax: Axes | None = None) -> Figure:
     loop, with the scheduler, the KV cache manager and the model runner. They share no
     interpreter lock: the server's JSON work for every streamed token no longer takes
     time from the model. Only small msgpack messages cross, token ids both ways and never
-    text: vLLM V1's ``AsyncMPClient`` and ``EngineCoreProc``.
+    text (the server's output processor finds stop strings and says so with
+    ``FinishRequests``): vLLM V1's ``AsyncMPClient`` and ``EngineCoreProc``.
     """
     fig, ax = _new_axes(ax, (11.0, 5.0))
     w, h, xs = 4.2, 4.2, {"api_server": 2.3, "engine_core": 9.7}
@@ -158,7 +160,7 @@ def plot_process_split(ax: Axes | None = None) -> Figure:
             ax.text(x - w / 2 + 0.25, 0.2 + h - 1.6 - 0.55 * i, "- " + duty, ha="left",
                     va="center", fontsize=8.5)
     for i, (a, b, message, carries) in enumerate(_PROCESS_MESSAGES):
-        y = 3.7 - 1.25 * i
+        y = 3.8 - 0.95 * i
         start = xs[a] + (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
         end = xs[b] - (w / 2 + 0.1) * (1 if xs[b] > xs[a] else -1)
         arrow = ax.annotate("", xy=(end, y), xytext=(start, y),
@@ -168,10 +170,10 @@ def plot_process_split(ax: Axes | None = None) -> Figure:
                 fontweight="bold", color="#8b2f00")
         ax.text((start + end) / 2, y - 0.12, carries, ha="center", va="top", fontsize=7.5,
                 color="#8b2f00")
-    ax.text(6.0, 0.35, "two ZeroMQ sockets,\nmsgpack (msgspec)", ha="center", va="bottom",
+    ax.text(6.0, -0.05, "two ZeroMQ sockets, msgpack (msgspec)", ha="center", va="top",
             fontsize=8, style="italic", color="#555555")
     ax.set_xlim(-0.1, 12.1)
-    ax.set_ylim(0.0, 4.7)
+    ax.set_ylim(-0.45, 4.7)
     ax.set_aspect("equal")
     ax.axis("off")
     ax.set_title("minivllm serve: two processes, and what crosses between them (token ids, "
