@@ -276,7 +276,7 @@ class EngineCore:
         accepted = self.drafter.count_accepted(scheduler_output, result.sampled) if self.drafter else {}
         before = {s.request.request_id: (s.request.num_output_tokens, len(s.request.prompt_logprobs or ()))
                   for s in scheduler_output.scheduled}
-        updated = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        updated = self.scheduler.update_from_output(scheduler_output, result)
         self._attach_logprobs(scheduler_output, result)
         outputs = self._process_outputs([self._core_output(r, *before[r.request_id]) for r in updated],
                                         updated)

@@ -100,10 +100,9 @@ def grammar_rows(requests: list[tuple[Request, list[int]]]) -> list:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int | list[int] | Exception]
-    """request_id -> new token, for the requests that sampled this step (or the error
-    that sampling that one request raised: the engine finishes it alone). A request
-    that had drafts gets a list: its accepted drafts, then the target's token."""
+    sampled: dict[str, list[int]]
+    """request_id -> its new tokens, for the requests that sampled this step: one, or
+    with drafts, the accepted drafts and then the target's own token."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
     parallel: StepTiming | None = None
@@ -113,6 +112,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     """request_id -> the next prompt tokens' entries, for requests with ``prompt_logprobs``
     that ran prompt positions this step (a chunk gives its own positions)."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """request_id -> why sampling failed for that one request (it is in no other field):
+    the engine finishes it alone, with finish_reason "error"."""
 
 
 def prompt_logprob_rows(scheduler_output: SchedulerOutput) -> list[tuple[str, int, int, int]]:
@@ -289,13 +291,13 @@ class ModelRunner:
     def sample_step(self, step: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
         """Tokens (and logprobs) from the forward pass's logits."""
         num_sample_rows = len(step.logits_indices)
-        sampled = self.sample(logits[:num_sample_rows], step.requests)
+        sampled, errors = self.sample(logits[:num_sample_rows], step.requests)
         logprobs, prompt_logprobs = self.gather_logprobs(logits, step.requests, sampled, step.prompt_rows)
-        return ModelRunnerOutput(sampled=sampled, model_time=time.perf_counter() - step.start,
+        return ModelRunnerOutput(sampled=sampled, errors=errors, model_time=time.perf_counter() - step.start,
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def gather_logprobs(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]],
-                        sampled: dict[str, int | list[int] | Exception],
+                        sampled: dict[str, list[int]],
                         prompt_rows: list[tuple[str, int, int, int]]
                         ) -> tuple[dict[str, list[PositionLogprobs]], dict[str, list[PositionLogprobs]]]:
         """The logprobs of the requests that ask, from the rows of ``logits`` (the
@@ -310,9 +312,8 @@ class ModelRunner:
         row = 0
         for req, drafts in requests:
             k = req.sampling_params.logprobs
-            got = sampled.get(req.request_id)
-            if k is not None and got is not None and not isinstance(got, Exception):
-                for j, token in enumerate([got] if isinstance(got, int) else got):
+            if k is not None:
+                for j, token in enumerate(sampled.get(req.request_id, [])):
                     rows.append(row + j)
                     tokens.append(token)
                     num_top.append(k)
@@ -332,15 +333,18 @@ class ModelRunner:
         return out
 
     def sample(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]]
-               ) -> dict[str, int | list[int] | Exception]:
+               ) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Requests without drafts go through the sampler together, one row each; a
         request with k drafts owns k + 1 consecutive rows and goes through the rejection
         sampler. Both see the logits after ``logit_bias``, the penalties and the grammar
         masks of requests with structured output
-        (:func:`~minivllm.sampler.apply_logits_processors`)."""
+        (:func:`~minivllm.sampler.apply_logits_processors`). Returns each request's new
+        tokens, and the requests whose sampling failed with why (isolated to them)."""
         logits = apply_logits_processors(logits, *logits_contexts(requests),
                                          grammars=grammar_rows(requests))
-        rows, plain, sampled = [], [], {}
+        rows, plain = [], []
+        sampled: dict[str, list[int]] = {}
+        errors: dict[str, str] = {}
         row = 0
         for req, drafts in requests:
             if not drafts:
@@ -352,11 +356,16 @@ class ModelRunner:
                     sampled[req.request_id] = self.rejection_sampler(
                         logits[row : row + len(drafts) + 1], drafts, req.sampling_params, gen)
                 except Exception as e:  # isolated to this request, as in the sampler
-                    sampled[req.request_id] = e if isinstance(e, SamplingError) else SamplingError(
-                        f"sampling failed: {type(e).__name__}: {e}")
+                    errors[req.request_id] = str(e) if isinstance(e, SamplingError) else \
+                        f"sampling failed: {type(e).__name__}: {e}"
             row += len(drafts) + 1
         if plain:
+            # The sampler gives one token per row, or a row's SamplingError in its place.
             tokens = self.sampler(logits[rows], [r.sampling_params for r in plain],
                                   [self._generator(r) for r in plain])
-            sampled.update((r.request_id, t) for r, t in zip(plain, tokens))
-        return sampled
+            for r, t in zip(plain, tokens):
+                if isinstance(t, Exception):
+                    errors[r.request_id] = str(t)
+                else:
+                    sampled[r.request_id] = [t]
+        return sampled, errors

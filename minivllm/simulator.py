@@ -308,7 +308,7 @@ class SimulatedModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         seconds = self.cost_model.predict(scheduler_output.scheduled)
         self.clock.advance(seconds)
-        sampled = {s.request.request_id: self.token_id for s in scheduler_output.scheduled if s.samples}
+        sampled = {s.request.request_id: [self.token_id] for s in scheduler_output.scheduled if s.samples}
         return ModelRunnerOutput(sampled=sampled, model_time=seconds)
 
     def remove_requests(self, request_ids: list[str]) -> None:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler
+from minivllm.model_runner import ModelRunnerOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -32,8 +33,8 @@ def make_request(rid, prompt_len, max_tokens=8, first_token=0) -> Request:
 
 def fake_step(sched: Scheduler):
     out = sched.schedule()
-    sampled = {s.request.request_id: 1 for s in out.scheduled if s.samples}
-    sched.update_from_output(out, sampled)
+    sampled = {s.request.request_id: [1] for s in out.scheduled if s.samples}
+    sched.update_from_output(out, ModelRunnerOutput(sampled, 0.0))
     return out
 
 

@@ -283,7 +283,7 @@ class ScriptedRunner:
                     s.spec_token_ids[accepted] == self.script[pos + accepted]:
                 accepted += 1
             tokens = self.script[pos : pos + accepted + 1]
-            sampled[s.request.request_id] = tokens if s.spec_token_ids else tokens[0]
+            sampled[s.request.request_id] = tokens
         return ModelRunnerOutput(sampled, 0.0)
 
     def remove_requests(self, request_ids) -> None:

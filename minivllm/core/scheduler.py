@@ -49,10 +49,14 @@ import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.exceptions import ValidationError, ValidationTypeError
 from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.model_runner import ModelRunnerOutput
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 """vLLM's two policies: first come first served, or by each request's ``priority``."""
@@ -307,32 +311,32 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
             self._requeue(request)
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, int | list[int] | Exception]
-    ) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
         """Append each sampled token, apply token-level stop rules, free the finished.
 
-        A request whose sampling failed (an exception in place of its token) is finished
+        A request whose sampling failed (in ``model_runner_output.errors``) is finished
         with status FINISHED_ERROR; the others are not affected. Returns the requests
-        that received a token or an error this step (finished or not).
+        that received tokens or an error this step (finished or not).
 
-        With speculative decoding a request may get several tokens (a list: its accepted
-        drafts, then the target's token). They are appended one by one with the stop
-        rules checked after each, so nothing past a stop is ever kept; the KV of the
-        rejected drafts is given up by rolling ``num_computed_tokens`` back over them.
+        With speculative decoding a request may get several tokens: its accepted drafts,
+        then the target's token. They are appended one by one with the stop rules
+        checked after each, so nothing past a stop is ever kept; the KV of the rejected
+        drafts is given up by rolling ``num_computed_tokens`` back over them.
         """
         updated = []
         for s in scheduler_output.scheduled:
             request = s.request
-            token = sampled.get(request.request_id)
-            if token is None or request.is_finished:
+            rid = request.request_id
+            if request.is_finished or (rid not in model_runner_output.sampled
+                                       and rid not in model_runner_output.errors):
                 continue
-            if isinstance(token, Exception):
-                request.error = str(token)
+            if rid in model_runner_output.errors:
+                request.error = model_runner_output.errors[rid]
                 self.finish_request(request, RequestStatus.FINISHED_ERROR)
                 updated.append(request)
                 continue
-            tokens = [token] if isinstance(token, int) else token
+            tokens = model_runner_output.sampled[rid]
             if s.spec_token_ids:
                 num_rejected = len(s.spec_token_ids) - (len(tokens) - 1)
                 self.rollback_rejected(request, num_rejected)

@@ -32,13 +32,13 @@ class Drafter:
         """Measures which draft length pays at each batch size ("adaptive"); None when fixed."""
 
     def count_accepted(self, scheduler_output: SchedulerOutput,
-                       sampled: dict[str, int | list[int] | Exception]) -> dict[str, int]:
+                       sampled: dict[str, list[int]]) -> dict[str, int]:
         """Drafts accepted per request that had drafts this step (counted before stop
         rules, as vLLM counts them), recorded in the metrics."""
         accepted = {}
         for s in scheduler_output.scheduled:
             tokens = sampled.get(s.request.request_id)
-            if s.spec_token_ids and isinstance(tokens, list):
+            if s.spec_token_ids and tokens is not None:  # None: its sampling failed
                 accepted[s.request.request_id] = len(tokens) - 1
                 self.stats.observe_draft(len(s.spec_token_ids), len(tokens) - 1)
         return accepted
