@@ -38,7 +38,7 @@ class MyBlockPool(BlockPool):
           guard, not a normal path).
         - A block taken from the queue may still hold a cached prefix (prefix caching
           keeps freed blocks findable until they are reused). It is about to be
-          overwritten, so forget its hash first: ``self._evict(block)``.
+          overwritten, so forget its hash first: ``self.evict_cached_block(block)``.
 
         Hint: the front of the queue is the block freed longest ago (least recently
         used): that is the one whose cached content is least likely to be wanted again.

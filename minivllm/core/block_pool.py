@@ -71,7 +71,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self.free_block_queue.popitem(last=False)
-            self._evict(block)
+            self.evict_cached_block(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -106,7 +106,9 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
-    def _evict(self, block: KVCacheBlock) -> None:
+    def evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Forget the block's hash, if it has one: its content is about to change (it is
+        reused for other tokens), or was never written (a failed step)."""
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]

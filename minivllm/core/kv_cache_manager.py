@@ -156,7 +156,7 @@ class KVCacheManager:
         K/V was written. Blocks before that point (prefix hits among them) keep theirs."""
         first = num_computed_tokens // self.block_size
         for block in self.req_to_blocks.get(request.request_id, [])[first:]:
-            self.block_pool._evict(block)  # the pool's own eviction: drop the hash
+            self.block_pool.evict_cached_block(block)
         cached = self.num_cached_blocks.get(request.request_id)
         if cached is not None:
             self.num_cached_blocks[request.request_id] = min(cached, first)
