@@ -35,13 +35,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from minivllm.config import BACKENDS
 from minivllm.kernels import reference
 from minivllm.kernels.triton_utils import interpreting, triton_available
 
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "minivllm"
-BACKENDS = ("auto", "torch", "triton")
 BACKEND_CLASSES = {"torch": "minivllm.attention:TorchAttentionBackend",
                    "triton": "minivllm.attention:TritonAttentionBackend"}
 """The class each backend name stands for (``attention_backend`` also takes a class of

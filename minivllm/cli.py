@@ -6,7 +6,8 @@ import argparse
 import logging
 import sys
 
-from minivllm.config import EngineConfig, add_engine_arguments, engine_kwargs
+from minivllm.arg_utils import add_engine_arguments, engine_kwargs
+from minivllm.config import EngineConfig
 from minivllm.exceptions import ValidationError
 from minivllm.model_loader import DEFAULT_MODEL
 from minivllm.routing import ROUTING_POLICIES

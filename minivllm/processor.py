@@ -84,7 +84,7 @@ class Processor:
 
     def check_request(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """Refuse a request that could never be served. (max_model_len is at most what the
-        KV cache holds, ``config.size_kv_cache``, so a prompt that passes fits the cache on
+        KV cache holds, ``core.kv_cache_utils.size_kv_cache``, so a prompt that passes fits the cache on
         its own, however long the request grows.)"""
         n = len(prompt.prompt_token_ids)
         if not n:

@@ -446,7 +446,7 @@ def _die_with_parent() -> None:
 
 def engine_argv(engine_kwargs: dict[str, Any]) -> list[str]:
     """EngineConfig keyword arguments as ``minivllm serve`` flags (the inverse of
-    :func:`minivllm.config.add_engine_arguments`)."""
+    :func:`minivllm.arg_utils.add_engine_arguments`)."""
     argv = []
     for name, value in engine_kwargs.items():
         flag = "--" + name.replace("_", "-")

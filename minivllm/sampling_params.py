@@ -17,6 +17,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+from minivllm.config import SEED_MAX, SEED_MIN
 from minivllm.exceptions import (
     ValidationError,
     ValidationTypeError,
@@ -29,8 +30,6 @@ from minivllm.structured_output import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
 1e-40 would overflow float32, and the distribution is a point mass long before that."""
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-"""Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 MAX_STOP_STRINGS = 16
 """At most this many stop strings; each is searched in the new text of every token."""
 MAX_N = 16

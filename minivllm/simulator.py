@@ -50,7 +50,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.config import EngineConfig, size_kv_cache
+from minivllm.config import EngineConfig
+from minivllm.core.kv_cache_utils import size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.engine import LLMEngine
 from minivllm.executor import eos_token_id
@@ -182,7 +183,7 @@ def calibration_key(model: str = DEFAULT_MODEL, dtype: str = "float32",
     measured once per machine, minivllm.linear). Two runs with equal keys may share a
     cost model; anything else must calibrate anew."""
     from minivllm.attention import resolve_backend
-    from minivllm.config import DTYPES
+    from minivllm.executor import DTYPES
     from minivllm.linear import resolve_linear_backend
 
     cpu = torch.device("cpu")
@@ -330,7 +331,7 @@ def make_simulated_engine(cost_model: CostModel | None = None, **config: object)
     """An :class:`LLMEngine` whose runner is simulated and whose clock is virtual.
 
     ``config`` takes :class:`EngineConfig` fields; defaults are the engine's, and the KV
-    cache is sized by the engine's own :func:`~minivllm.config.size_kv_cache` from the
+    cache is sized by the engine's own :func:`~minivllm.core.kv_cache_utils.size_kv_cache` from the
     sizes of the real model (the cost model's ``meta``). The engine gets the simulated
     runner as its ``model_runner``, so no KV cache is allocated; it still needs a model
     for its vocabulary size and EOS token: a one-layer random model of width 8.

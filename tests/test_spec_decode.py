@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 from tiny_chat import tiny_chat_llm
 
 from minivllm import LLM, EngineConfig, SamplingParams, viz
-from minivllm.config import add_engine_arguments, engine_kwargs
+from minivllm.arg_utils import add_engine_arguments, engine_kwargs
 from minivllm.core.kv_cache_manager import cdiv
 from minivllm.engine import LLMEngine
 from minivllm.exceptions import ValidationError

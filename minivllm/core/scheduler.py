@@ -51,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from minivllm.config import SCHEDULING_POLICIES
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.exceptions import ValidationError, ValidationTypeError
 from minivllm.request import Request, RequestStatus
@@ -58,8 +59,6 @@ from minivllm.request import Request, RequestStatus
 if TYPE_CHECKING:
     from minivllm.model_runner import ModelRunnerOutput
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
-"""vLLM's two policies: first come first served, or by each request's ``priority``."""
 
 
 def check_priority(priority: object, policy: str) -> int:
