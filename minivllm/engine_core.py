@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from minivllm.config import EngineConfig, SpeculativeConfig, load_component
 from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput, check_priority
-from minivllm.distributed.executor import MultiprocExecutor
+from minivllm.distributed.executor import MultiprocExecutor, StepTiming
 from minivllm.exceptions import ValidationError
 from minivllm.executor import Executor, UniProcExecutor, load_model_for
 from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
@@ -277,10 +277,8 @@ class EngineCore:
                                         updated)
         finished, got_token = self._record_tokens(updated)
         self.executor.remove_requests(finished)
-        self.trace.record(make_step_record(
-            self._step_index, scheduler_output, self.scheduler, self.kv_cache_manager, start, self.clock(),
-            result.model_time, finished, accepted, getattr(result, "parallel", None)))
-        self._step_index += 1
+        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
+                     getattr(result, "parallel", None))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
         if self.drafter is not None:
@@ -318,6 +316,15 @@ class EngineCore:
         return EngineCoreOutput(request.request_id, request.output_token_ids[num_sent:],
                                 request.finish_reason, request.stop_reason, request.error,
                                 request.metrics.num_cached_tokens, new_logprobs, prompt_logprobs)
+
+    def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
+                finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None) -> None:
+        """Append the step just run to the trace (``minivllm.trace.make_step_record``); its
+        ``end`` was read before, so the copying here is not in the step's duration."""
+        self.trace.record(make_step_record(
+            self._step_index, scheduler_output, self.scheduler, self.kv_cache_manager, start, end,
+            model_time, finished, accepted, parallel))
+        self._step_index += 1
 
     def _process_outputs(self, outputs: list[EngineCoreOutput], updated: list[Request]) -> list:
         """What the step hands out. Here: the token ids as they are. A front end in the
