@@ -296,8 +296,14 @@ def plot_roofline(report: RooflineReport, ax=None):
     hi = max([p.intensity for p in report.points] + [ridge]) * 4
     x = np.geomspace(lo, hi, 200)
     ax.loglog(x, [report.bound(i) / 1e9 for i in x], color="black", lw=2)
-    ax.text(lo * 1.2, lo * 1.2 * report.bandwidth / 1e9 * 1.25,
-            f"memory {report.bandwidth / 1e9:.1f} GB/s", rotation=0, fontsize=8, va="bottom")
+    # Along the slanted ceiling, just above it: every measured step sits on or under the
+    # roof, so a label that follows the line never covers one (a level one would run into
+    # the points as the line climbs). The angle is given in data space and turned into
+    # the screen's by the axes (the line y = bandwidth * x is straight on log-log axes).
+    x0 = (lo * ridge) ** 0.5 / 2
+    ax.text(x0, x0 * report.bandwidth / 1e9 * 1.3, f"memory {report.bandwidth / 1e9:.1f} GB/s",
+            rotation=np.degrees(np.arctan(report.bandwidth / 1e9)), transform_rotates_text=True,
+            rotation_mode="anchor", fontsize=8, ha="left", va="bottom")
     ax.text(hi / 1.2, report.peak_flop_s / 1e9 * 1.1, f"float32 GEMM peak {report.peak_flop_s / 1e9:.0f} GFLOP/s",
             fontsize=8, ha="right", va="bottom")
     ax.axvline(ridge, color="gray", ls=":", lw=1)
