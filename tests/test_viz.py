@@ -255,6 +255,10 @@ def test_kv_usage_and_preemptions(tiny_model):
     spans = viz.request_spans(trace)
     victims = {rid for s in trace.steps for rid in s.preempted}
     assert {rid for rid, sp in spans.items() if sp["preempted"]} == victims
+    # Each preempted span starts with the step that preempted the request: it was out of
+    # that step's batch, so no gap opens between its last run and the red span.
+    for rid in victims:
+        assert [t for t, _ in spans[rid]["preempted"]] == [s.start for s in trace.steps if rid in s.preempted]
     keyed = [t.get_text() for t in viz.plot_request_timeline(trace).axes[0].get_legend().get_texts()]
     assert "preempted" in keyed
 

@@ -63,11 +63,13 @@ def request_spans(trace: Trace) -> dict[str, dict[str, list[tuple[float, float]]
                 continue
             if c.request_id in preempted_at:
                 t = preempted_at.pop(c.request_id)
-                spans[c.request_id]["preempted"].append((t, record.start - t))
+                spans[c.request_id]["preempted"].append((t, start - t))
             kind = "prefill" if c.is_prefill else "decode"
             spans[c.request_id][kind].append((start, end - start))
+        # A request is preempted while the step is scheduled, before its forward pass: it
+        # is out of the batch for the whole of that step (no gap before the red span).
         for rid in record.preempted:
-            preempted_at[rid] = record.end
+            preempted_at[rid] = start
     for rid, m in trace.requests.items():
         if m.first_scheduled_time is not None:
             spans[rid]["waiting"].append((m.arrival_time, m.first_scheduled_time - m.arrival_time))
