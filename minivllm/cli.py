@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from minivllm.server import run_server
 
     if args.data_parallel_size != 1:
-        from minivllm.router import engine_argv, run_data_parallel
+        from minivllm.data_parallel import engine_argv, run_data_parallel
 
         serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
                       "--max-request-bytes", str(args.max_request_bytes),
