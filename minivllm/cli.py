@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     from minivllm.server import run_server
 
     if args.data_parallel_size != 1:
-        from minivllm.router import engine_argv, run_data_parallel
+        from minivllm.data_parallel import engine_argv, run_data_parallel
 
         serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
                       "--max-request-bytes", str(args.max_request_bytes),
@@ -86,9 +86,25 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``minivllm`` command's parser (the docs' CLI reference is generated from it)."""
+    """The ``minivllm`` command's parser (the docs' CLI reference is generated from it).
+    One helper per subcommand, added in the order ``minivllm --help`` lists them."""
+    from minivllm.bench.cli import add_arguments as add_bench_arguments
+    from minivllm.bench.cli import run as run_bench
+
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
+    _add_serve_parser(sub)
+    _add_router_parser(sub)
+    _add_warmup_parser(sub)
+    _add_check_parser(sub)
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="stream one answer from the model")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -97,13 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_engine_arguments(gen, GENERATE_SETTINGS)
     gen.set_defaults(func=_generate)
-    from minivllm.bench.cli import add_arguments as add_bench_arguments
-    from minivllm.bench.cli import run as run_bench
-    from minivllm.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING
 
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, memory) and the simulator")
-    add_bench_arguments(bench)
-    bench.set_defaults(func=run_bench)
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from minivllm.server import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_WAITING
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -127,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(srv, SERVE_SETTINGS)
     srv.set_defaults(func=_serve)
 
+
+def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     rt = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of running replicas")
     rt.add_argument("--replica", action="append", required=True, metavar="URL",
                     help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
@@ -144,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="uvicorn's log level (info: one access line per request)")
     rt.set_defaults(func=_router)
 
+
+def _add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     warm = sub.add_parser("warmup", help="convert and cache the model before a session; say how long it took")
     warm.add_argument("--model", default=DEFAULT_MODEL)
     warm.add_argument("--max-tokens", type=int, default=16, help="length of the one test generation")
@@ -151,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="delete the cached conversion first (to time a first-time set-up)")
     warm.set_defaults(func=_warmup)
 
+
+def _add_check_parser(sub: argparse._SubParsersAction) -> None:
     from minivllm.check import PIECES
 
     check = sub.add_parser(
@@ -165,7 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the checks whose names match EXPR (pytest -k), e.g. the one "
                             "that failed")
     check.set_defaults(func=_check)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

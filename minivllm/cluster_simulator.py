@@ -44,11 +44,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minivllm.metrics import percentile
 from minivllm.routing import PrefixAware, ReplicaState, RoutingPolicy, make_policy
 from minivllm.simulator import CostModel, make_simulated_engine
 from minivllm.workload import WorkloadRequest
+
+if TYPE_CHECKING:
+    from minivllm.engine import LLMEngine
 
 MAX_TRACE_STEPS = 200
 """Steps each replica's trace keeps (as :func:`~minivllm.simulator.simulate` does)."""
@@ -207,13 +211,49 @@ def simulate_cluster(
 
     ``config``: :class:`~minivllm.config.EngineConfig` fields for every replica (prefix
     caching stays on unless it says otherwise). ``cost_model`` None: this machine's
-    calibration, else the shipped one (warned). The event loop is the module docstring's.
+    calibration, else the shipped one (warned). The event loop is the module docstring's:
+    the earliest of the next arrival and the next step goes first, the arrival on a tie.
     """
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     config.setdefault("max_trace_steps", MAX_TRACE_STEPS)
+    fleet = _Fleet(_make_replicas(num_replicas, cost_model, config))
+    router = _policy_for(policy, fleet.engines[0].config.block_size)
+    log: list[tuple[str, float, tuple[int, ...]]] | None = [] if record_routing else None
+    requests = iter(workload)
+    pending = next(requests, None)
+    last_arrival = 0.0
+    wall = time.perf_counter()
+    while pending is not None or fleet.ready:
+        if pending is not None and (not fleet.ready or pending.arrival_time <= fleet.ready[0][0]):
+            t = pending.arrival_time
+            if t < last_arrival:
+                raise ValueError(f"request {pending.request_id!r} arrives at {t} s, before the one "
+                                 f"routed earlier ({last_arrival} s): sort the workload by arrival time")
+            last_arrival = t
+            fleet.tell_finished_by(t)
+            if log is not None:
+                log.append((pending.request_id, t, tuple(s.outstanding for s in fleet.states)))
+            fleet.add(router.choose(pending.prompt_token_ids, fleet.states), pending)
+            pending = next(requests, None)
+        else:
+            fleet.step_next()
+    summaries = fleet.summaries
+    return ClusterResult(
+        policy=router.name, num_replicas=num_replicas, requests=summaries,
+        replicas=fleet.replica_summaries(), num_requests=sum(fleet.counts),
+        simulated_seconds=max((r.finished_time for r in summaries), default=0.0),
+        wall_seconds=time.perf_counter() - wall,
+        num_fallbacks=router.fallbacks if isinstance(router, PrefixAware) else None,
+        routing_log=log,
+    )
+
+
+def _make_replicas(num_replicas: int, cost_model: CostModel | None, config: dict) -> list[LLMEngine]:
+    """``num_replicas`` alike simulated engines sharing one cost model, resolved once (this
+    machine's, or the shipped one) so that the warning about it, if any, is said once."""
     first = make_simulated_engine(cost_model, **config)
-    cost_model = first.model_runner.cost_model  # resolved once (this machine's, or the shipped one)
+    cost_model = first.model_runner.cost_model
     engines = [first]
     logger = logging.getLogger("minivllm")
     level = logger.level
@@ -222,71 +262,72 @@ def simulate_cluster(
         engines += [make_simulated_engine(cost_model, **config) for _ in range(num_replicas - 1)]
     finally:
         logger.setLevel(level)
-    router = _policy_for(policy, engines[0].config.block_size)
-    states = [ReplicaState(str(i)) for i in range(num_replicas)]
-    counts = [0] * num_replicas
-    busy = [0.0] * num_replicas
-    steps = [0] * num_replicas
-    summaries: list[RequestSummary] = []
-    log: list[tuple[str, float, tuple[int, ...]]] | None = [] if record_routing else None
-    ready: list[tuple[float, int]] = []     # (clock, replica) of every replica with work
-    finishes: list[tuple[float, int]] = []  # (finish time, replica) not yet told to the router
+    return engines
 
-    requests = iter(workload)
-    pending = next(requests, None)
-    last_arrival = 0.0
-    wall = time.perf_counter()
-    while pending is not None or ready:
-        if pending is not None and (not ready or pending.arrival_time <= ready[0][0]):
-            t = pending.arrival_time
-            if t < last_arrival:
-                raise ValueError(f"request {pending.request_id!r} arrives at {t} s, before the one "
-                                 f"routed earlier ({last_arrival} s): sort the workload by arrival time")
-            last_arrival = t
-            while finishes and finishes[0][0] <= t:  # what has finished by t, and only that
-                states[heapq.heappop(finishes)[1]].outstanding -= 1
-            if log is not None:
-                log.append((pending.request_id, t, tuple(s.outstanding for s in states)))
-            i = router.choose(pending.prompt_token_ids, states)
-            engine = engines[i]
-            if not engine.has_unfinished_requests():  # idle: it waited for this arrival
-                engine.clock.advance(t - engine.clock())  # (never backwards: mid-step, it stays)
-                heapq.heappush(ready, (engine.clock(), i))
-            engine.add_request(pending.request_id, {"prompt_token_ids": pending.prompt_token_ids},
-                               pending.sampling_params(), arrival_time=t, priority=pending.priority)
-            states[i].outstanding += 1
-            counts[i] += 1
-            pending = next(requests, None)
-            continue
-        start, i = heapq.heappop(ready)
-        engine = engines[i]
+
+class _Fleet:
+    """The replicas of :func:`simulate_cluster` and its event loop's state.
+
+    Invariants: ``ready`` is a heap of (clock, i) for exactly the replicas with unfinished
+    requests, so the one furthest behind in simulated time steps next; ``finishes`` holds
+    the finish times the router's ``states`` have not yet been told of (the router may
+    only know what has happened by the time it routes)."""
+
+    def __init__(self, engines: list[LLMEngine]) -> None:
+        n = len(engines)
+        self.engines = engines
+        self.states = [ReplicaState(str(i)) for i in range(n)]
+        self.counts = [0] * n
+        self.busy = [0.0] * n
+        self.steps = [0] * n
+        self.summaries: list[RequestSummary] = []
+        self.ready: list[tuple[float, int]] = []     # (clock, replica) of every replica with work
+        self.finishes: list[tuple[float, int]] = []  # (finish time, replica) not yet told to the router
+
+    def tell_finished_by(self, t: float) -> None:
+        """Lower ``outstanding`` for what has finished by ``t``, and only that."""
+        while self.finishes and self.finishes[0][0] <= t:
+            self.states[heapq.heappop(self.finishes)[1]].outstanding -= 1
+
+    def add(self, i: int, request: WorkloadRequest) -> None:
+        """Give ``request`` to replica ``i`` at its arrival time."""
+        t = request.arrival_time
+        engine = self.engines[i]
+        if not engine.has_unfinished_requests():  # idle: it waited for this arrival
+            engine.clock.advance(t - engine.clock())  # (never backwards: mid-step, it stays)
+            heapq.heappush(self.ready, (engine.clock(), i))
+        engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids},
+                           request.sampling_params(), arrival_time=t, priority=request.priority)
+        self.states[i].outstanding += 1
+        self.counts[i] += 1
+
+    def step_next(self) -> None:
+        """One step of the busy replica furthest behind in simulated time."""
+        start, i = heapq.heappop(self.ready)
+        engine = self.engines[i]
         outputs = engine.step()
         end = engine.clock()
-        busy[i] += end - start
-        steps[i] += 1
+        self.busy[i] += end - start
+        self.steps[i] += 1
         for out in outputs:
             if out.finished:
-                heapq.heappush(finishes, (end, i))
-                summaries.append(_summary(out, i))
+                heapq.heappush(self.finishes, (end, i))
+                self.summaries.append(_summary(out, i))
                 engine.trace.requests.pop(out.request_id, None)  # the summary is all we keep
         if engine.has_unfinished_requests():
-            heapq.heappush(ready, (end, i))
+            heapq.heappush(self.ready, (end, i))
 
-    replicas = []
-    for i, engine in enumerate(engines):
-        kv = engine.kv_cache_manager
-        stats = kv.prefix_cache_stats
-        replicas.append(ReplicaSummary(
-            num_requests=counts[i], prefix_queries=stats.queries, prefix_hits=stats.hits,
-            busy_seconds=busy[i], num_steps=steps[i], num_preemptions=engine.scheduler.num_preemptions,
-            free_blocks_after=kv.block_pool.get_num_free_blocks(), num_blocks=kv.num_blocks))
-    return ClusterResult(
-        policy=router.name, num_replicas=num_replicas, requests=summaries, replicas=replicas,
-        num_requests=sum(counts), simulated_seconds=max((r.finished_time for r in summaries), default=0.0),
-        wall_seconds=time.perf_counter() - wall,
-        num_fallbacks=router.fallbacks if isinstance(router, PrefixAware) else None,
-        routing_log=log,
-    )
+    def replica_summaries(self) -> list[ReplicaSummary]:
+        replicas = []
+        for i, engine in enumerate(self.engines):
+            kv = engine.kv_cache_manager
+            stats = kv.prefix_cache_stats
+            replicas.append(ReplicaSummary(
+                num_requests=self.counts[i], prefix_queries=stats.queries, prefix_hits=stats.hits,
+                busy_seconds=self.busy[i], num_steps=self.steps[i],
+                num_preemptions=engine.scheduler.num_preemptions,
+                free_blocks_after=kv.block_pool.get_num_free_blocks(), num_blocks=kv.num_blocks))
+        return replicas
 
 
 def _summary(out, replica: int) -> RequestSummary:

@@ -73,29 +73,18 @@ class LLM:
             raise ValidationTypeError(
                 "model", f"model must be a model name, a folder or a transformers model, got "
                          f"{type(model).__name__}", model)
+        # Every keyword above is the EngineConfig field of the same name, passed on as is.
         config = EngineConfig(
             model=model if isinstance(model, str) else type(model).__name__,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            attention_backend=attention_backend,
-            linear_backend=linear_backend,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            max_trace_steps=max_trace_steps,
-            log_stats_interval=log_stats_interval,
-            scheduler_cls=scheduler_cls,
-            kv_cache_manager_cls=kv_cache_manager_cls,
-            block_pool_cls=block_pool_cls,
-            sampler_cls=sampler_cls,
-            tensor_parallel_size=tensor_parallel_size,
+            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+            attention_backend=attention_backend, linear_backend=linear_backend, dtype=dtype,
+            device=device, seed=seed, max_trace_steps=max_trace_steps,
+            log_stats_interval=log_stats_interval, scheduler_cls=scheduler_cls,
+            kv_cache_manager_cls=kv_cache_manager_cls, block_pool_cls=block_pool_cls,
+            sampler_cls=sampler_cls, tensor_parallel_size=tensor_parallel_size,
             speculative_config=speculative_config,
         )
         loaded = None if isinstance(model, str) else model

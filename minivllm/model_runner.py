@@ -43,6 +43,7 @@ from minivllm.linear import STOCK_PLAN, LinearPlan, planned_linear
 from minivllm.logprobs import PositionLogprobs, compute_logprobs
 from minivllm.request import Request
 from minivllm.sampler import Sampler, SamplingError, apply_logits_processors
+from minivllm.sampling_metadata import SamplingMetadata
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
 
 if TYPE_CHECKING:
@@ -64,38 +65,6 @@ def kv_cache_bytes_per_token(model: PreTrainedModel, dtype: torch.dtype,
     num_layers, num_kv_heads, head_dim = kv_cache_shape(model.config, tensor_parallel_size)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * head_dim * itemsize
-
-
-def logits_contexts(requests: list[tuple[Request, list[int]]]
-                    ) -> tuple[list, list[list[int]], list[list[int]]]:
-    """Per logits row: the request's params, its prompt, and the tokens generated before
-    that row (a row that scores draft ``j`` comes after drafts ``0..j-1``). Empty lists
-    when no request uses logit_bias or penalties, so the others pay nothing."""
-    if not any(r.sampling_params.logit_bias or r.sampling_params.has_penalties
-               for r, _ in requests):
-        return [], [], []
-    params, prompts, outputs = [], [], []
-    for req, drafts in requests:
-        for j in range(len(drafts) + 1):
-            params.append(req.sampling_params)
-            prompts.append(req.prompt_token_ids)
-            outputs.append(req.output_token_ids + drafts[:j])
-    return params, prompts, outputs
-
-
-def grammar_rows(requests: list[tuple[Request, list[int]]]) -> list:
-    """Per logits row: the request's grammar state (structured output) or None; an empty
-    list when no request has one. A request with a grammar never has drafts (the engine
-    proposes none for it), so it owns exactly one row."""
-    if all(r.grammar is None for r, _ in requests):
-        return []
-    rows = []
-    for req, drafts in requests:
-        if req.grammar is not None and drafts:
-            raise RuntimeError(f"request {req.request_id} has a grammar and drafts; the engine "
-                               f"never proposes drafts for it")
-        rows += [req.grammar] + [None] * len(drafts)
-    return rows
 
 
 @dataclass
@@ -145,9 +114,8 @@ class StepInputs:
     inputs: dict
     """The model's keyword arguments: ``input_ids``, ``position_ids``, the attention backend and metadata."""
     logits_indices: list[int]
-    requests: list[tuple[Request, list[int]]]
-    """Each sampling request with its drafts, in the order of its logits rows."""
-    prompt_rows: list[tuple[str, int, int, int]]
+    """Where in the flat batch the sampler's logits rows are (prompt-logprob rows follow)."""
+    sampling: SamplingMetadata
     start: float
     """When the step's model work began (``perf_counter``): ``model_time`` counts from here."""
 
@@ -272,13 +240,13 @@ class ModelRunner:
         """The step's flat batch and metadata, and which logits rows it keeps: the
         sampler's, then those of prompt positions whose logprobs are asked for."""
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
-        prompt_rows = prompt_logprob_rows(scheduler_output)
-        return StepInputs(inputs, logits_indices, requests, prompt_rows, time.perf_counter())
+        sampling = SamplingMetadata.build(requests, prompt_logprob_rows(scheduler_output), self._generator)
+        return StepInputs(inputs, logits_indices, sampling, time.perf_counter())
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The forward pass: logits at the kept rows only, ``[rows, vocab]``."""
-        keep = step.logits_indices + [row[1] for row in step.prompt_rows]
+        keep = step.logits_indices + [row[1] for row in step.sampling.prompt_rows]
         with planned_linear(self.linears):
             out = self.model(
                 **step.inputs,
@@ -290,18 +258,16 @@ class ModelRunner:
     @torch.inference_mode()
     def sample_step(self, step: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
         """Tokens (and logprobs) from the forward pass's logits."""
-        num_sample_rows = len(step.logits_indices)
-        sampled, errors = self.sample(logits[:num_sample_rows], step.requests)
-        logprobs, prompt_logprobs = self.gather_logprobs(logits, step.requests, sampled, step.prompt_rows)
+        md = step.sampling
+        sampled, errors = self.sample(logits[:md.num_sample_rows], md)
+        logprobs, prompt_logprobs = self.gather_logprobs(logits, md, sampled)
         return ModelRunnerOutput(sampled=sampled, errors=errors, model_time=time.perf_counter() - step.start,
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
-    def gather_logprobs(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]],
-                        sampled: dict[str, list[int]],
-                        prompt_rows: list[tuple[str, int, int, int]]
+    def gather_logprobs(self, logits: torch.Tensor, md: SamplingMetadata, sampled: dict[str, list[int]]
                         ) -> tuple[dict[str, list[PositionLogprobs]], dict[str, list[PositionLogprobs]]]:
         """The logprobs of the requests that ask, from the rows of ``logits`` (the
-        sampler's rows, then ``prompt_rows``'): one ``compute_logprobs`` for all of them.
+        sampler's rows, then the prompt-logprob rows): one ``compute_logprobs`` for all.
 
         The rows are the raw model output, before logit_bias, penalties and temperature
         (vLLM's default ``logprobs_mode="raw_logprobs"``; ``minivllm.logprobs``). With
@@ -309,18 +275,16 @@ class ModelRunner:
         then the target's own token, are scored at their own positions exactly as if they
         had been generated one per step."""
         rows, tokens, num_top, owners = [], [], [], []
-        row = 0
-        for req, drafts in requests:
+        for req, first in zip(md.requests, md.first_rows):
             k = req.sampling_params.logprobs
             if k is not None:
                 for j, token in enumerate(sampled.get(req.request_id, [])):
-                    rows.append(row + j)
+                    rows.append(first + j)
                     tokens.append(token)
                     num_top.append(k)
                     owners.append((False, req.request_id))
-            row += len(drafts) + 1
-        for m, (request_id, _, token, k) in enumerate(prompt_rows):  # after the sampler's rows
-            rows.append(row + m)
+        for m, (request_id, _, token, k) in enumerate(md.prompt_rows):
+            rows.append(md.num_sample_rows + m)
             tokens.append(token)
             num_top.append(k)
             owners.append((True, request_id))
@@ -332,7 +296,7 @@ class ModelRunner:
             out[is_prompt].setdefault(request_id, []).append(position)
         return out
 
-    def sample(self, logits: torch.Tensor, requests: list[tuple[Request, list[int]]]
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata
                ) -> tuple[dict[str, list[int]], dict[str, str]]:
         """Requests without drafts go through the sampler together, one row each; a
         request with k drafts owns k + 1 consecutive rows and goes through the rejection
@@ -340,32 +304,28 @@ class ModelRunner:
         masks of requests with structured output
         (:func:`~minivllm.sampler.apply_logits_processors`). Returns each request's new
         tokens, and the requests whose sampling failed with why (isolated to them)."""
-        logits = apply_logits_processors(logits, *logits_contexts(requests),
-                                         grammars=grammar_rows(requests))
-        rows, plain = [], []
+        logits = apply_logits_processors(logits, md.row_params, md.row_prompts, md.row_outputs,
+                                         grammars=md.grammars)
+        plain = [i for i, d in enumerate(md.drafts) if not d]
         sampled: dict[str, list[int]] = {}
         errors: dict[str, str] = {}
-        row = 0
-        for req, drafts in requests:
-            if not drafts:
-                rows.append(row)
-                plain.append(req)
-            else:
-                gen = self._generator(req) or self.sampler.generator
+        for i, (req, drafts) in enumerate(zip(md.requests, md.drafts)):
+            if drafts:
                 try:
                     sampled[req.request_id] = self.rejection_sampler(
-                        logits[row : row + len(drafts) + 1], drafts, req.sampling_params, gen)
+                        logits[md.rows_of(i)], drafts, req.sampling_params,
+                        md.generators[i] or self.sampler.generator)
                 except Exception as e:  # isolated to this request, as in the sampler
                     errors[req.request_id] = str(e) if isinstance(e, SamplingError) else \
                         f"sampling failed: {type(e).__name__}: {e}"
-            row += len(drafts) + 1
         if plain:
             # The sampler gives one token per row, or a row's SamplingError in its place.
-            tokens = self.sampler(logits[rows], [r.sampling_params for r in plain],
-                                  [self._generator(r) for r in plain])
-            for r, t in zip(plain, tokens):
+            tokens = self.sampler(logits[[md.first_rows[i] for i in plain]],
+                                  [md.requests[i].sampling_params for i in plain],
+                                  [md.generators[i] for i in plain])
+            for i, t in zip(plain, tokens):
                 if isinstance(t, Exception):
-                    errors[r.request_id] = str(t)
+                    errors[md.requests[i].request_id] = str(t)
                 else:
-                    sampled[r.request_id] = [t]
+                    sampled[md.requests[i].request_id] = [t]
         return sampled, errors

@@ -3,7 +3,9 @@
 The engine knows nothing of Prometheus: ``LLMEngine.get_metrics()`` returns plain
 ``Counter``, ``Gauge`` and ``Histogram`` records (``minivllm.metrics``), and this module
 turns a list of them into the exposition text, through ``prometheus_client``'s custom
-collector interface, with nothing kept between scrapes.
+collector interface, with nothing kept between scrapes. The router's ``/metrics``
+(:func:`render_router_metrics`) is the same text for a fleet: each replica's samples,
+labelled with the replica they came from, and the router's own counts.
 
 In vLLM: ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``) and
 ``vllm/v1/metrics/prometheus.py``.
@@ -11,13 +13,19 @@ In vLLM: ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``) and
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.metrics import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:  # the router imports this module
+    from minivllm.router import RouterStats
+    from minivllm.routing import ReplicaState
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The media type of the text :func:`render_metrics` returns."""
@@ -66,4 +74,54 @@ def render_metrics(records: list[Counter | Gauge | Histogram]) -> bytes:
     A fresh registry each time: a scrape shows exactly the records it was given."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineMetricsCollector(records))
+    return generate_latest(registry)
+
+
+_ROUTER_OWN = {
+    "minivllm:router_requests": ("counter", "Requests forwarded, per replica."),
+    "minivllm:router_replica_failures": ("counter", "Times a replica failed and left rotation."),
+    "minivllm:router_outstanding_requests": ("gauge", "Requests in flight, per replica."),
+    "minivllm:router_replica_healthy": ("gauge", "1 while the replica is in rotation."),
+}
+
+
+class _Families:
+    """A collector that yields metric families built beforehand."""
+
+    def __init__(self, families: dict[str, Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families.values())
+
+
+def render_router_metrics(replicas: Sequence[ReplicaState], texts: Sequence[str],
+                          stats: RouterStats) -> bytes:
+    """The router's ``/metrics``: every replica's scraped ``texts`` (one per replica, ""
+    where it did not answer) re-labelled with ``replica``, so one Prometheus scrape of the
+    router sees the whole fleet and a dashboard can still tell the replicas apart; then
+    the router's own counts from ``stats`` and the replicas' states."""
+    families: dict[str, Metric] = {}
+    for replica, text in zip(replicas, texts):
+        for fam in text_string_to_metric_families(text):
+            merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            for s in fam.samples:
+                merged.add_sample(s.name, {**s.labels, "replica": replica.name}, s.value)
+    for name, (kind, doc) in _ROUTER_OWN.items():
+        families[name] = Metric(name, doc, kind)
+    for r in replicas:
+        lab = {"replica": r.name}
+        families["minivllm:router_requests"].add_sample("minivllm:router_requests_total", lab,
+                                                        stats.requests[r.name])
+        families["minivllm:router_replica_failures"].add_sample(
+            "minivllm:router_replica_failures_total", lab, stats.failures[r.name])
+        families["minivllm:router_outstanding_requests"].add_sample(
+            "minivllm:router_outstanding_requests", lab, r.outstanding)
+        families["minivllm:router_replica_healthy"].add_sample(
+            "minivllm:router_replica_healthy", lab, float(r.healthy))
+    retries = families["minivllm:router_retries"] = Metric(
+        "minivllm:router_retries", "Requests retried on another replica.", "counter")
+    retries.add_sample("minivllm:router_retries_total", {}, stats.retries)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
     return generate_latest(registry)

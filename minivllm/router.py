@@ -15,10 +15,8 @@ seen finish (``ReplicaState.outstanding``), and which replicas answered.
 Why a separate router process and not N engines inside one server: a replica is a URL,
 so replicas may run on other machines (one per GPU, one per host) and the router in
 front of them is the same code. ``minivllm serve --data-parallel-size N`` is the
-one-host shortcut (vLLM's option name): it starts N ``minivllm serve`` processes on free
-local ports, each its own engine and caches, and this router in front of them on the
-user's port. The children never outlive it: they are ended when it stops (Ctrl-C, an
-exception, a normal exit), and the kernel ends them if it is killed (``PR_SET_PDEATHSIG``).
+one-host shortcut (vLLM's option name): N ``minivllm serve`` processes on free local
+ports (:mod:`minivllm.data_parallel`) and this router in front of them on the user's port.
 
 Cache-aware routing needs the prompt's tokens: ``prefix_aware`` hashes the prompt's full
 KV blocks with the prefix cache's own hash, so the router loads the model's *tokenizer*
@@ -36,7 +34,8 @@ has been sent. With no healthy replica the answer is a 503 at once. No request w
 a dead replica: connecting times out, and so does a replica silent for ``read_timeout``.
 
 ``/metrics`` re-exports every replica's samples with a ``replica`` label, plus the
-router's own: requests per replica, retries, replicas healthy, requests in flight.
+router's own: requests per replica, retries, replicas healthy, requests in flight
+(:func:`minivllm.prometheus.render_router_metrics`).
 
 In vLLM: ``vllm serve --data-parallel-size N`` (an internal load balancer across engine
 cores) and, for cache-aware routing across hosts, ``vllm-project/router`` and the
@@ -47,17 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,14 +57,11 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from minivllm.chat_utils import apply_chat_template
 from minivllm.exceptions import ValidationError
 from minivllm.middleware import RequestGuard
-from minivllm.prometheus import CONTENT_TYPE
+from minivllm.prometheus import CONTENT_TYPE, render_router_metrics
 from minivllm.protocol import APIError
 from minivllm.routing import (
     NoReplicaAvailable,
@@ -332,39 +321,7 @@ class Router:
                 return ""
 
         texts = await asyncio.gather(*(scrape(r.name) for r in self.replicas))
-        families: dict[str, Metric] = {}
-        for replica, text in zip(self.replicas, texts):
-            for fam in text_string_to_metric_families(text):
-                merged = families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
-                for s in fam.samples:
-                    merged.add_sample(s.name, {**s.labels, "replica": replica.name}, s.value)
-        own = {"minivllm:router_requests": ("counter", "Requests forwarded, per replica."),
-               "minivllm:router_replica_failures": ("counter", "Times a replica failed and left rotation."),
-               "minivllm:router_outstanding_requests": ("gauge", "Requests in flight, per replica."),
-               "minivllm:router_replica_healthy": ("gauge", "1 while the replica is in rotation.")}
-        for name, (kind, doc) in own.items():
-            families[name] = Metric(name, doc, kind)
-        for r in self.replicas:
-            lab = {"replica": r.name}
-            families["minivllm:router_requests"].add_sample("minivllm:router_requests_total", lab,
-                                                            self.stats.requests[r.name])
-            families["minivllm:router_replica_failures"].add_sample(
-                "minivllm:router_replica_failures_total", lab, self.stats.failures[r.name])
-            families["minivllm:router_outstanding_requests"].add_sample(
-                "minivllm:router_outstanding_requests", lab, r.outstanding)
-            families["minivllm:router_replica_healthy"].add_sample(
-                "minivllm:router_replica_healthy", lab, float(r.healthy))
-        retries = families["minivllm:router_retries"] = Metric(
-            "minivllm:router_retries", "Requests retried on another replica.", "counter")
-        retries.add_sample("minivllm:router_retries_total", {}, self.stats.retries)
-
-        class Collector:
-            def collect(self) -> Iterator[Metric]:
-                return iter(families.values())
-
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(Collector())
-        return generate_latest(registry)
+        return render_router_metrics(self.replicas, texts, self.stats)
 
 
 def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin", *,
@@ -431,118 +388,6 @@ def load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 
 
-# -- replicas on this machine (``serve --data-parallel-size N``) ------------------------------
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def engine_argv(engine_kwargs: dict[str, Any]) -> list[str]:
-    """EngineConfig keyword arguments as ``minivllm serve`` flags (the inverse of
-    :func:`minivllm.arg_utils.add_engine_arguments`)."""
-    argv = []
-    for name, value in engine_kwargs.items():
-        flag = "--" + name.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
-class LocalReplicas:
-    """N ``minivllm serve`` processes on free loopback ports; a context manager that ends
-    them all, however the block is left.
-
-        with LocalReplicas(2, ["--model", "smollm2-135m-instruct"]) as replicas:
-            print(replicas.urls)
-    """
-
-    def __init__(self, n: int, serve_argv: Sequence[str], host: str = "127.0.0.1",
-                 startup_timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-        """``log_dir``: write replica i's output to ``log_dir/replica-i.log`` instead of this
-        process's terminal (a notebook or benchmark that wants only its own output).
-        ``env``: variables set for the replicas on top of this process's environment."""
-        if n < 1:
-            raise ValidationError("data_parallel_size", f"data_parallel_size must be >= 1, got {n}", n)
-        self.n, self.serve_argv, self.host, self.startup_timeout = n, list(serve_argv), host, startup_timeout
-        self.log_dir, self.env = log_dir, dict(env or {})
-        self.procs: list[subprocess.Popen] = []
-        self.urls: list[str] = []
-        self.logs: list[Any] = []
-
-    def start(self) -> LocalReplicas:
-        try:
-            for _ in range(self.n):
-                port = free_port(self.host)
-                cmd = [sys.executable, "-c", "import sys; from minivllm.cli import main; sys.exit(main())", "serve", "--host", self.host, "--port", str(port),
-                       *self.serve_argv]
-                out = None
-                if self.log_dir is not None:
-                    out = open(os.path.join(self.log_dir, f"replica-{len(self.procs)}.log"), "wb")
-                    self.logs.append(out)
-                self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out,
-                                                   stderr=subprocess.STDOUT if out else None,
-                                                   env={**os.environ, **self.env}))
-                self.urls.append(f"http://{self.host}:{port}")
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        pending = set(range(self.n))
-        while pending:
-            for i in sorted(pending):
-                if self.procs[i].poll() is not None:
-                    where = "its log above"
-                    if self.logs:
-                        with open(self.logs[i].name, errors="replace") as f:
-                            where = f"the end of {self.logs[i].name}:\n" + "".join(f.readlines()[-20:])
-                    raise RuntimeError(f"replica {i} ({self.urls[i]}) exited with status "
-                                       f"{self.procs[i].returncode} while starting; see {where}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
-                        pending.discard(i)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"replicas {sorted(pending)} not ready after {self.startup_timeout:g} s")
-            time.sleep(0.2)
-
-    def stop(self, timeout: float = 15.0) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in self.logs:
-            f.close()
-
-    def __enter__(self) -> LocalReplicas:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.0.1", port: int = 8000,
                uvicorn_log_level: str = "info", **app_kwargs: Any) -> None:
     """Serve the router until interrupted (``minivllm router``)."""
@@ -552,10 +397,3 @@ def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.
     logger.info("routing (%s) to %s on http://%s:%d", routing_policy, ", ".join(replicas), host, port)
     uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
 
-
-def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str, host: str, port: int,
-                      **router_kwargs: Any) -> None:
-    """``minivllm serve --data-parallel-size N``: N local replicas and the router in front."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
-    with LocalReplicas(size, serve_argv) as local:
-        run_router(local.urls, routing_policy, host, port, **router_kwargs)

@@ -2,7 +2,7 @@
 
 :mod:`minivllm.simulator` predicts each step's time with a :class:`CostModel`; this
 module produces one: it serves chat workloads on the real engine, fits the model to
-the measured steps (:func:`~minivllm.simulator.fit_cost_model`), and checks it on a
+the measured steps (:func:`~minivllm.cost_model.fit_cost_model`), and checks it on a
 workload it never saw by replaying that workload on a simulated engine and comparing
 the predicted span with the measured one. ``minivllm bench fit-simulator`` runs it and
 saves the result as ``minivllm/data/cost_model_smollm2_cpu.json``; :func:`calibrate`
@@ -21,19 +21,19 @@ from pathlib import Path
 
 import torch
 
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.model_loader import DEFAULT_MODEL
-from minivllm.model_runner import kv_cache_bytes_per_token
-from minivllm.replay import replay_workload
-from minivllm.simulator import (
+from minivllm.cost_model import (
     CostModel,
     calibration_key,
     calibration_path,
     cpu_name,
     fit_cost_model,
-    make_simulated_engine,
     step_intervals,
 )
+from minivllm.engine import EngineConfig, LLMEngine
+from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.model_runner import kv_cache_bytes_per_token
+from minivllm.replay import replay_workload
+from minivllm.simulator import make_simulated_engine
 from minivllm.trace import Trace
 from minivllm.workload import WorkloadRequest, chat_workload
 
@@ -161,7 +161,7 @@ class CalibrationError(RuntimeError):
 def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_seed: int = 12,
               fit_rate: float = 2.0, max_error: float = MAX_CALIBRATION_ERROR, **settings) -> dict:
     """Fit this machine's cost model, check it on a held-out workload, and cache it
-    where :meth:`~minivllm.simulator.CostModel.for_this_machine` (every simulated engine
+    where :meth:`~minivllm.cost_model.CostModel.for_this_machine` (every simulated engine
     made without a cost model) will find it. It takes as long as the machine needs for
     about 300 steps of the real engine (87 s on a slow 2-core VM).
 
@@ -195,7 +195,7 @@ def calibrate(model: str = DEFAULT_MODEL, n: int = 24, seed: int = 11, heldout_s
 
 def save_calibration(cost_model: CostModel, source: str | None = None, **settings: str) -> Path:
     """Make ``cost_model`` this machine's calibration for these engine settings
-    (:func:`~minivllm.simulator.calibration_key`: model, dtype, backends), where every
+    (:func:`~minivllm.cost_model.calibration_key`: model, dtype, backends), where every
     simulated engine made without a cost model finds it; returns the file."""
     key = calibration_key(**settings)
     cost_model.meta.update(calibration_key=key, cpu=key["cpu"])

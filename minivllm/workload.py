@@ -140,6 +140,25 @@ class _ChatTemplate:
         return len(self.head) + num_system + len(self.between) + len(self.tail)
 
 
+def _prompt_parts(tokenizer: PreTrainedTokenizerBase, shared_prefix_len: int
+                  ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """What :func:`iter_workload` cuts prompts from, tokenized once for all ``n`` requests:
+    the documentation corpus end to end as one token stream, where each document starts
+    in it, the system prompt's ids (the stream's first ``shared_prefix_len`` tokens when
+    requests share a prefix, else the default system prompt) and each instruction's ids."""
+    docs = _corpus_token_ids(tokenizer)
+    stream = [t for d in docs for t in d]  # all documents end to end
+    starts = [0]
+    for d in docs[:-1]:
+        starts.append(starts[-1] + len(d))
+    if shared_prefix_len:
+        system_ids = stream[:shared_prefix_len]
+    else:
+        system_ids = tokenizer.encode(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)
+    instructions = [tokenizer.encode(i + "\n\n", add_special_tokens=False) for i in INSTRUCTIONS]
+    return stream, starts, system_ids, instructions
+
+
 def iter_workload(
     tokenizer: PreTrainedTokenizerBase | None,
     n: int,
@@ -169,16 +188,7 @@ def iter_workload(
     len_rng, out_rng, arr_rng = (random.Random(rng.random()) for _ in range(3))
     if tokenizer is not None:
         template = _ChatTemplate(tokenizer)
-        docs = _corpus_token_ids(tokenizer)
-        stream = [t for d in docs for t in d]  # all documents end to end
-        starts = [0]
-        for d in docs[:-1]:
-            starts.append(starts[-1] + len(d))
-        if shared_prefix_len:
-            system_ids = stream[:shared_prefix_len]
-        else:
-            system_ids = tokenizer.encode(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)
-        instructions = [tokenizer.encode(i + "\n\n", add_special_tokens=False) for i in INSTRUCTIONS]
+        stream, starts, system_ids, instructions = _prompt_parts(tokenizer, shared_prefix_len)
         fixed = template.num_fixed(len(system_ids))
     else:
         shared = random.Random(seed + 1).choices(range(vocab_size), k=shared_prefix_len)
@@ -192,7 +202,7 @@ def iter_workload(
         num_user = max(1, length - fixed)
         if tokenizer is not None:
             # Start at a document boundary past the shared prefix; run on into the next ones.
-            doc = len_rng.randrange(len(docs))
+            doc = len_rng.randrange(len(starts))
             start = max(starts[doc], shared_prefix_len)
             instruction = instructions[i % len(instructions)]
             user_ids = (instruction + stream[start : start + num_user])[:num_user]

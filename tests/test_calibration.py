@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from minivllm import simulator
+from minivllm import cost_model, simulator
 from minivllm.simulator import (
     CostModel,
     calibration_key,
@@ -35,7 +35,7 @@ def empty_cache(tmp_path, monkeypatch):
     if (real / PLAN_FILE).is_file():
         shutil.copy(real / PLAN_FILE, tmp_path / PLAN_FILE)
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(simulator, "_warned", set())
+    monkeypatch.setattr(cost_model, "_warned", set())  # the warned-once memory lives there
     return tmp_path
 
 

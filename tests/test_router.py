@@ -1,7 +1,7 @@
 """The router in front of real replicas, over loopback HTTP (notebook 14).
 
 The replicas are real ``minivllm serve`` processes (started by
-:class:`~minivllm.router.LocalReplicas`, what ``serve --data-parallel-size`` uses) over a
+:class:`~minivllm.data_parallel.LocalReplicas`, what ``serve --data-parallel-size`` uses) over a
 tiny random Llama saved with SmolLM2's tokenizer and chat template: real templating,
 real prefix caches, millisecond steps. Where a request goes is read from the replicas'
 own ``/metrics`` (their HTTP and prefix-cache counters), not from the router; the
@@ -24,7 +24,8 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_chat import deadline  # noqa: E402
 
-from minivllm.router import LocalReplicas, build_router_app, free_port, load_tokenizer  # noqa: E402
+from minivllm.data_parallel import LocalReplicas, free_port  # noqa: E402
+from minivllm.router import build_router_app, load_tokenizer  # noqa: E402
 from minivllm.server import ServerThread, build_app  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -371,8 +372,9 @@ def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
 
 # -- options ---------------------------------------------------------------------------------
 def test_router_options_are_checked_and_urls_normalised():
+    from minivllm.data_parallel import engine_argv
     from minivllm.exceptions import ValidationError
-    from minivllm.router import engine_argv, normalize_url
+    from minivllm.router import normalize_url
 
     assert normalize_url("10.0.0.2:8000/v1/") == "http://10.0.0.2:8000"
     assert normalize_url("https://host/") == "https://host"

@@ -82,7 +82,8 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
     replicas load the model once."""
     import httpx
 
-    from minivllm.router import LocalReplicas, build_router_app
+    from minivllm.data_parallel import LocalReplicas
+    from minivllm.router import build_router_app
     from minivllm.server import ServerThread
 
     rows, first = [], None

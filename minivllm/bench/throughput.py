@@ -204,75 +204,96 @@ def throughput_benchmark(
     pad = 0
     if tokenizer is not None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    # A short warm-up of each path, outside the timings (first calls allocate and compile).
-    warm = make_workload(None, 2, seed=99, prompt_len=(8, 16), output_len=4, vocab_size=100)
-    for w in warm:
-        w.request_id = f"warmup-{w.request_id}"
-    run_minivllm(engine, warm)
-    calls, hook = [0], None
-    if baseline is not None:
-        baseline.set_attn_implementation("sdpa")
-        run_hf_generate(baseline, warm[:1], pad)
-        # Count the forward passes of the transformers tools: one call of the model per pass.
-        hook = baseline.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
-
-    fixed_engines: dict[str, LLMEngine] = {}
-
-    def fixed_linear(backend: str) -> ToolResult:
-        # The same engine with every linear layer through one library, whatever "auto"
-        # measured (minivllm.linear): "torch" is nn.Linear as is, so that row also shows
-        # how much of minivllm's lead is scheduling and paging rather than the matmul.
-        if backend not in fixed_engines:
-            fixed = LLMEngine(EngineConfig(**{**kwargs, "linear_backend": backend}), engine.model, tokenizer)
-            run_minivllm(fixed, warm)
-            fixed_engines[backend] = fixed
-        fixed = fixed_engines[backend]
-        fixed.trace.clear()
-        fixed.reset_prefix_cache()  # an earlier round's prompts must not be found cached
-        res = replace(run_minivllm(fixed, workload), tool=f"minivllm-{backend}-linear")
-        passes[res.tool] = len(fixed.trace.steps)
-        return res
-
-    def reference() -> ToolResult:
-        engine.trace.clear()
-        engine.reset_prefix_cache()
-        res = run_minivllm(engine, workload)
-        passes["minivllm"] = len(engine.trace.steps)
-        return res
-
-    def counted(tool: str, run) -> ToolResult:
-        calls[0] = 0
-        res = run()
-        passes[tool] = calls[0]
-        return res
-
-    runners = {
-        "minivllm": reference,
-        "minivllm-torch-linear": lambda: fixed_linear("torch"),
-        "minivllm-onednn-linear": lambda: fixed_linear("onednn"),
-        "minivllm-transposed-linear": lambda: fixed_linear("transposed"),
-        "hf-generate": lambda: counted("hf-generate", lambda: run_hf_generate(baseline, workload, pad)),
-        "hf-static": lambda: counted("hf-static", lambda: run_hf_static(baseline, workload, static_batch_size, pad)),
-        "hf-cb": lambda: counted("hf-cb", lambda: run_hf_continuous(
-            baseline, workload, pad_token_id=pad, max_batch_tokens=engine.config.max_num_batched_tokens)),
-    }
+    runner = _ToolRunner(engine, baseline, tokenizer, kwargs, workload, pad, static_batch_size)
     names = ["minivllm"] + [t for t in tools if t != "minivllm"]
-    passes: dict[str, int] = {}
     first: dict[str, ToolResult] = {}
     walls: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for tool in rotated(names, r):
-            res = runners[tool]()
+            res = runner.run(tool)
             first.setdefault(tool, res)
             walls[tool].append(res.wall_s)
             logger.info("%s, round %d: %.1f s", tool, r + 1, res.wall_s)
-    if hook is not None:
-        hook.remove()
+    if runner.hook is not None:
+        runner.hook.remove()
     results = [replace(first[n], wall_s=float(np.median(walls[n]))) for n in names]
     matches, mismatches = _compare_tokens(workload, results)
     overhead = {**engine_overhead(engine.trace, min_running), "min_running": min_running}
+    passes = runner.passes
     return ThroughputReport(summarize(workload), results, matches, mismatches, overhead, _environment(engine),
                             {n: tuple(walls[n]) for n in names}, {n: passes[n] for n in names if n in passes})
+
+
+class _ToolRunner:
+    """Serves the workload with one tool of :func:`throughput_benchmark` at a time, and
+    counts the forward passes each made (``passes``: the engine's steps for minivllm's
+    rows, the model's calls for transformers'), the mechanism behind a speed-up that a
+    wall clock on a shared machine only hints at. Made once per benchmark: it first runs
+    a short warm-up of each path, outside the timings (first calls allocate and compile)."""
+
+    def __init__(self, engine: LLMEngine, baseline: torch.nn.Module | None, tokenizer, kwargs: dict,
+                 workload: list[WorkloadRequest], pad: int, static_batch_size: int) -> None:
+        self.engine, self.baseline, self.tokenizer, self.kwargs = engine, baseline, tokenizer, kwargs
+        self.workload, self.pad, self.static_batch_size = workload, pad, static_batch_size
+        self.passes: dict[str, int] = {}
+        self.fixed_engines: dict[str, LLMEngine] = {}
+        self.calls = 0
+        self.hook = None
+        self.warm = make_workload(None, 2, seed=99, prompt_len=(8, 16), output_len=4, vocab_size=100)
+        for w in self.warm:
+            w.request_id = f"warmup-{w.request_id}"
+        run_minivllm(engine, self.warm)
+        if baseline is not None:
+            baseline.set_attn_implementation("sdpa")
+            run_hf_generate(baseline, self.warm[:1], pad)
+            # Count the forward passes of the transformers tools: one call of the model per pass.
+            self.hook = baseline.register_forward_pre_hook(self._count_call)
+
+    def _count_call(self, module: torch.nn.Module, args: object) -> None:
+        self.calls += 1
+
+    def run(self, tool: str) -> ToolResult:
+        """One serving of the whole workload by ``tool`` (one of :data:`TOOLS`)."""
+        baseline, workload, pad = self.baseline, self.workload, self.pad
+        hf_runs = {
+            "hf-generate": lambda: run_hf_generate(baseline, workload, pad),
+            "hf-static": lambda: run_hf_static(baseline, workload, self.static_batch_size, pad),
+            "hf-cb": lambda: run_hf_continuous(
+                baseline, workload, pad_token_id=pad, max_batch_tokens=self.engine.config.max_num_batched_tokens),
+        }
+        if tool in hf_runs:
+            self.calls = 0
+            res = hf_runs[tool]()
+            self.passes[tool] = self.calls
+            return res
+        if tool == "minivllm":
+            return self._reference()
+        return self._fixed_linear({"minivllm-torch-linear": "torch", "minivllm-onednn-linear": "onednn",
+                                   "minivllm-transposed-linear": "transposed"}[tool])
+
+    def _reference(self) -> ToolResult:
+        engine = self.engine
+        engine.trace.clear()
+        engine.reset_prefix_cache()
+        res = run_minivllm(engine, self.workload)
+        self.passes["minivllm"] = len(engine.trace.steps)
+        return res
+
+    def _fixed_linear(self, backend: str) -> ToolResult:
+        # The same engine with every linear layer through one library, whatever "auto"
+        # measured (minivllm.linear): "torch" is nn.Linear as is, so that row also shows
+        # how much of minivllm's lead is scheduling and paging rather than the matmul.
+        if backend not in self.fixed_engines:
+            fixed = LLMEngine(EngineConfig(**{**self.kwargs, "linear_backend": backend}), self.engine.model,
+                              self.tokenizer)
+            run_minivllm(fixed, self.warm)
+            self.fixed_engines[backend] = fixed
+        fixed = self.fixed_engines[backend]
+        fixed.trace.clear()
+        fixed.reset_prefix_cache()  # an earlier round's prompts must not be found cached
+        res = replace(run_minivllm(fixed, self.workload), tool=f"minivllm-{backend}-linear")
+        self.passes[res.tool] = len(fixed.trace.steps)
+        return res
 
 
 def plot_throughput(report: ThroughputReport, ax=None):
