@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 from matplotlib.axes import Axes
+from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
@@ -118,6 +119,12 @@ def plot_batch_composition(
     return fig
 
 
+def _ink_on(fill: str) -> str:
+    """Black or white, whichever reads better on ``fill`` (drawn at alpha 0.8 on white)."""
+    r, g, b = (0.8 * c + 0.2 for c in to_rgb(fill))
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "white"
+
+
 def plot_flat_batch(
     input_ids: Sequence[int],
     positions: Sequence[int],
@@ -168,7 +175,8 @@ def plot_flat_batch(
                              linewidth=0.4)
             cell.set_gid(f"{name}:{t}")
             ax.add_patch(cell)
-            ax.text(t + 0.47, r + 0.48, str(v), ha="center", va="center", fontsize=fs,
+            ax.text(t + 0.47, r + 0.48, str(v), ha="center", va="center",
+                    fontsize=fs if len(str(v)) < 5 or n > 24 else 0.75 * fs,  # 5 digits fill a cell
                     rotation=90 if name == "input_ids" and n > 24 else 0)
     ax.text(-0.3, 3.35, "token index", ha="right", va="center", fontsize=7, color="#777777")
     for t in range(n):
@@ -205,7 +213,7 @@ def plot_flat_batch(
             cell.set_gid(f"table:{s}:{j}")
             ax.add_patch(cell)
             ax.text(0.9 * j + 0.42, y + 0.85, str(b), ha="center", va="center", fontsize=7,
-                    color="white" if j < real else "#999999")
+                    color=_ink_on(colors[request_ids[s]]) if j < real else "#999999")
     width = max(map(len, tables), default=0)
     ax.set_xlim(-7.5, max(n, 0.9 * width, 24) + 0.5)
     ax.set_ylim(y0 + 2.0 * nseq, -0.8)
@@ -215,7 +223,10 @@ def plot_flat_batch(
     handles.append(Line2D([], [], color="black", linestyle="--", label="a new cache block begins"))
     if any(len(t) > math.ceil(length / block_size) for t, length in zip(tables, lens)):
         handles.append(Patch(facecolor="white", edgecolor="#555555", label="block table padding"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    # Beside the token grid (not at the far edge of the axes, which the long per-sequence
+    # lines below set): the key sits next to what it explains.
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(max(n, 0.9 * width) + 0.8, -0.8),
+              bbox_transform=ax.transData, fontsize=7)
     ax.set_title(f"One step's flat batch: {n} tokens of {nseq} requests, block size {block_size}",
                  fontsize=10)
     return fig

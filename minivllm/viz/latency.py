@@ -9,6 +9,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from minivllm.metrics import percentile
 from minivllm.trace import Trace
@@ -83,6 +84,7 @@ def plot_latency(trace: Trace, ax: Axes | Sequence[Axes] | None = None) -> Figur
                    label=f"{name} ({len(values)} samples)")
             _percentile_lines(a, values, color, name)
             a.set_ylabel("count")
+            a.yaxis.set_major_locator(MaxNLocator(integer=True))  # a count: whole ticks only
         a.set_xlabel("milliseconds")
         # under the panel: a percentile line can fall anywhere across it
         a.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2))
