@@ -25,14 +25,13 @@ from collections.abc import Callable
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig
-from minivllm.core.scheduler import check_priority
 from minivllm.engine_core import EngineCore
 from minivllm.exceptions import ValidationError, ValidationTypeError, check_float
 from minivllm.model_runner import ModelRunner
 from minivllm.output_processor import EngineCoreOutput, FrontEndFinish, OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.parallel_sampling import ParentRequest
-from minivllm.processor import ProcessedPrompt, Processor
+from minivllm.processor import ProcessedPrompt, Processor, check_priority
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 

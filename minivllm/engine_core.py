@@ -33,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig, SpeculativeConfig, load_component
 from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
-from minivllm.core.scheduler import SchedulerOutput, check_priority
+from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.executor import MultiprocExecutor, StepTiming
 from minivllm.exceptions import ValidationError
 from minivllm.executor import Executor, UniProcExecutor, load_model_for
@@ -45,7 +45,7 @@ from minivllm.model_runner import (
     kv_cache_shape,
 )
 from minivllm.output_processor import EngineCoreOutput, FrontEndFinish
-from minivllm.processor import ProcessedPrompt
+from minivllm.processor import ProcessedPrompt, check_priority
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.drafter import Drafter

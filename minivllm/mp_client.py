@@ -39,7 +39,6 @@ import zmq.asyncio
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from minivllm.config import COMPONENT_FIELDS, EngineConfig
-from minivllm.core.scheduler import check_priority
 from minivllm.core_client import EngineCoreClient, OnDead, OnOutputs
 from minivllm.engine_core_proc import (
     IDLE_POLL_MS,
@@ -61,7 +60,7 @@ from minivllm.model_loader import resolve_model_dir
 from minivllm.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.parallel_sampling import ParentRequest
-from minivllm.processor import ProcessedPrompt, Processor
+from minivllm.processor import ProcessedPrompt, Processor, check_priority
 from minivllm.sampling_params import SamplingParams
 from minivllm.system_utils import get_mp_context, with_environment
 

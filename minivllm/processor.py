@@ -132,3 +132,18 @@ class Processor:
                 "prompt", f"prompt token ids must be in [0, {self.vocab_size}), got "
                           f"{min(ids)}..{max(ids)}", [min(ids), max(ids)])
         return ids
+
+
+def check_priority(priority: object, policy: str) -> int:
+    """A request's priority as the engine takes it: an integer (lower runs first), and
+    non-zero only under the "priority" policy. Like vLLM, a priority the engine would
+    ignore is an error rather than a silent no-op."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationTypeError("priority", f"priority must be an integer, got {priority!r}",
+                                  priority)
+    if priority != 0 and policy != "priority":
+        raise ValidationError(
+            "priority", f"got priority {priority} but priority scheduling is not enabled "
+                        f"(scheduling_policy={policy!r}; start the engine with "
+                        f"scheduling_policy='priority')", priority)
+    return priority

@@ -281,8 +281,8 @@ def test_the_victim_may_be_one_that_already_ran_this_step():
 
 
 def test_a_priority_other_than_zero_needs_the_priority_policy():
-    from minivllm.core.scheduler import check_priority
     from minivllm.exceptions import ValidationError
+    from minivllm.processor import check_priority
 
     assert check_priority(0, "fcfs") == 0 and check_priority(-3, "priority") == -3
     with pytest.raises(ValidationError, match="priority scheduling is not enabled") as e:

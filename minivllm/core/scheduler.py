@@ -53,27 +53,10 @@ from typing import TYPE_CHECKING
 
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.exceptions import ValidationError, ValidationTypeError
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.model_runner import ModelRunnerOutput
-
-
-
-def check_priority(priority: object, policy: str) -> int:
-    """A request's priority as the engine takes it: an integer (lower runs first), and
-    non-zero only under the "priority" policy. Like vLLM, a priority the engine would
-    ignore is an error rather than a silent no-op."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValidationTypeError("priority", f"priority must be an integer, got {priority!r}",
-                                  priority)
-    if priority != 0 and policy != "priority":
-        raise ValidationError(
-            "priority", f"got priority {priority} but priority scheduling is not enabled "
-                        f"(scheduling_policy={policy!r}; start the engine with "
-                        f"scheduling_policy='priority')", priority)
-    return priority
 
 
 @dataclass
@@ -186,11 +169,20 @@ class Scheduler:
             self.waiting.appendleft(request)
 
     def schedule(self) -> SchedulerOutput:
+        """One step's batch: running requests first, then waiting ones, in one token budget
+        (``max_num_batched_tokens``). Each loop returns the budget it left."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        kv = self.kv_cache_manager
+        budget = self.schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # no admissions in a step where memory just ran out
+            self.schedule_waiting(out, budget)
+        # The tokens are as good as computed: the runner writes their K/V this step.
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        return out
 
-        # 1. Running requests, oldest admission first.
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """1. Running requests, oldest admission first; preempts when the KV cache is full."""
+        kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -219,11 +211,12 @@ class Scheduler:
                 i += 1
                 continue
             break  # the request preempted itself: nothing more fits this step
+        return budget
 
-        # 2. Waiting requests, first come first served (none if memory just ran out).
-        while self.waiting and budget > 0 and not out.preempted:
-            if len(self.running) >= self.max_num_seqs:
-                break
+    def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """2. Waiting requests, first in line first, while budget, KV blocks and seats last."""
+        kv = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
@@ -246,11 +239,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= num_new
-
-        # The tokens are as good as computed: the runner writes their K/V this step.
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-        return out
+        return budget
 
     def preempt_victim(self) -> Request:
         """Memory ran out (a running request could not get its blocks): preempt one
