@@ -181,7 +181,7 @@ class Scheduler:
         return out
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """1. Running requests, oldest admission first; preempts when the KV cache is full."""
+        """Running requests, oldest admission first; preempts when the KV cache is full."""
         kv = self.kv_cache_manager
         i = 0
         while i < len(self.running) and budget > 0:
@@ -214,7 +214,7 @@ class Scheduler:
         return budget
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """2. Waiting requests, first in line first, while budget, KV blocks and seats last."""
+        """Waiting requests, first in line first, while budget, KV blocks and seats last."""
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
