@@ -320,12 +320,17 @@ def usage(out: RequestOutput, index: int | None = None) -> dict[str, int]:
 def ignored_fields_header(body: SamplingRequest, request_id: str) -> dict[str, str]:
     """The response header naming the fields this request carried that the server does
     not act on (vLLM's fields it lacks, unknown fields), logged once as vLLM logs them."""
-    names = body.ignored_fields()
+    # A field's name is any JSON string: escape it to printable ASCII, as a header must
+    # be (a raw "\r\n" would start a header of the client's choosing), and bound the list.
+    names = [name.encode("unicode_escape").decode("ascii") for name in body.ignored_fields()]
     if not names:
         return {}
+    value = ",".join(names)
+    if len(value) > 1000:
+        value = value[:997] + "..."
     logger.warning("request %s: fields accepted but ignored (this server does not act on "
-                   "them): %s", request_id, ", ".join(names))
-    return {IGNORED_FIELDS_HEADER: ",".join(names)}
+                   "them): %s", request_id, value.replace(",", ", "))
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 async def last_output(stream: RequestStream) -> RequestOutput:

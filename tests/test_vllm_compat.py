@@ -173,3 +173,12 @@ def test_bad_values_of_accepted_fields_are_400_naming_the_field(client, path, fi
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field and field in error["message"], error
+
+
+def test_a_hostile_field_name_cannot_forge_a_header(client):
+    """An unknown field's name is any JSON string; it reaches the header escaped."""
+    body = {**guidellm_body(C, stream=False), "a\r\nx-forged: 1": 1, "\U0001f600é\x11": 2}
+    r = client.post(C, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert "x-forged" not in r.headers
+    assert r.headers[IGNORED_FIELDS_HEADER] == "a\\r\\nx-forged: 1,\\U0001f600\\xe9\\x11"
