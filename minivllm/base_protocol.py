@@ -5,12 +5,26 @@ only in how the prompt arrives (:mod:`minivllm.completion_protocol`,
 :mod:`minivllm.chat_protocol`), so the fields live once, on :class:`SamplingRequest`,
 which also turns them into the engine's ``SamplingParams``.
 
-Why every model derives from :class:`APIModel` (strict, no extra fields, finite numbers):
-JSON can get types wrong in ways Python would quietly coerce (``"0.5"`` as a number,
-``1`` as a boolean), and a field that is accepted and ignored changes what a client gets
-without telling it. So unknown fields are refused, and an OpenAI field this server does
-not implement is accepted only with the value that asks for nothing
-(:func:`unsupported`, checked by :meth:`SamplingRequest.check_supported`).
+Why every model derives from :class:`APIModel` (strict types, finite numbers): JSON can
+get types wrong in ways Python would quietly coerce (``"0.5"`` as a number, ``1`` as a
+boolean), so a wrong type or a bad value is a 400 naming the field.
+
+Which fields a request may carry follows vLLM, because the clients people point at a
+vLLM-compatible server (guidellm, ``vllm bench serve``, the openai SDK's ``extra_body``)
+send vLLM's fields. Each field is one of four kinds:
+
+- implemented: it does what it does in vLLM;
+- unsupported (:func:`unsupported`): an OpenAI field asking for an output this server
+  cannot give (``echo``, tools, ``best_of``): accepted only with the value that asks for
+  nothing, refused otherwise, as the answer would not be what the client asked for;
+- ignored (:func:`ignored`): a vLLM field this server does not act on (beam search,
+  chat-template overrides, disaggregation parameters, ...): accepted with any value of
+  the right type, and when the value asks for something, named in a warning log line
+  and in the ``x-minivllm-ignored-fields`` response header;
+- unknown (in neither API): accepted and named the same way, as vLLM accepts extra
+  fields and logs their names. The one exception is a field vLLM removed or a field
+  sent in the wrong place (:data:`REMOVED_FIELDS`), refused with what to send instead,
+  as ignoring it would return unconstrained output.
 
 In vLLM: ``OpenAIBaseModel`` and the shared request fields of
 ``vllm/entrypoints/openai/protocol.py``.
@@ -29,7 +43,20 @@ from minivllm.structured_output import StructuredOutputsParams
 
 
 class APIModel(BaseModel):
+    """Strict types, finite numbers, and no unknown keys: used for the nested objects
+    whose keys change what the output is (a constraint spec, a message), where a typo
+    must not pass unnoticed."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class OpenAIModel(APIModel):
+    """A request body, or an object in it, that takes unknown keys as vLLM does (kept in
+    ``model_extra``, reported by :meth:`SamplingRequest.ignored_fields`)."""
+    model_config = ConfigDict(extra="allow")
+
+IGNORED_FIELDS_HEADER = "x-minivllm-ignored-fields"
+"""The response header naming the request's fields this server accepted but did not act
+on (comma-separated), as vLLM's "fields were present in the request but ignored" log."""
 
 
 def bounded(kind: type, **schema: Any) -> Any:
@@ -56,8 +83,21 @@ def unsupported(noop: Any = None) -> Any:
                  json_schema_extra={"x-noop": noop})
 
 
-class StreamOptions(APIModel):
-    include_usage: bool = False
+def ignored(noop: Any = None) -> Any:
+    """A vLLM field this server accepts but does not act on: ``noop`` (or null) asks for
+    nothing; any other value is reported as ignored."""
+    return Field(None if noop is None else noop,
+                 description=f"vLLM's field; accepted but ignored by this server (it acts "
+                             f"as if {'null' if noop is None else repr(noop)} was sent).",
+                 json_schema_extra={"x-ignored": noop})
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    """A last chunk (``choices: []``) carrying the request's ``usage``."""
+    continuous_usage_stats: bool | None = False
+    """vLLM's extension: with ``include_usage``, every chunk also carries ``usage`` so far
+    (that choice's ``completion_tokens``), as vLLM sends it."""
 
 
 class JSONSchemaFormat(APIModel):
@@ -111,8 +151,13 @@ REMOVED_FIELDS = {
 """Structured-output fields vLLM removed in v0.12 (it now ignores them, and the output
 comes back unconstrained); here they are refused with what to send instead."""
 
+MISPLACED_FIELDS = {
+    "disable_any_whitespace": '"structured_outputs": {"disable_any_whitespace": true}',
+}
+"""Fields that exist only inside an object, sent at the top level: refused too."""
 
-class SamplingRequest(APIModel):
+
+class SamplingRequest(OpenAIModel):
     """The fields /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None
@@ -130,7 +175,7 @@ class SamplingRequest(APIModel):
     ignore_eos: bool = False
     n: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": MAX_N})] = 1
     """Completions per prompt (parallel sampling): n choices, ``index`` 0..n-1."""
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     """vLLM's extension: add each choice's generated ``token_ids`` to the response."""
@@ -158,6 +203,56 @@ class SamplingRequest(APIModel):
     ``{"choice": [...]}``, ``{"grammar": ...}`` or ``{"json_object": true}``. Not
     together with a JSON ``response_format``."""
 
+    # vLLM's fields that this server accepts but does not act on (see the module's docstring).
+    use_beam_search: bool = ignored(False)
+    length_penalty: float = ignored(1.0)
+    """Beam search's; it changes nothing without beam search either."""
+    watermarking: bool | None = ignored(False)
+    include_stop_str_in_output: bool = ignored(False)
+    skip_special_tokens: bool = ignored(True)
+    """This server always skips special tokens when it detokenizes."""
+    spaces_between_special_tokens: bool = ignored(True)
+    add_special_tokens: bool = ignored(False)
+    """This server never adds special tokens (a BOS) to a prompt."""
+    truncate_prompt_tokens: int | None = ignored()
+    truncation_side: Literal["left", "right"] | None = ignored()
+    allowed_token_ids: list[int] | None = ignored()
+    bad_words: list[str] = ignored([])
+    prompt_logprobs: int | None = ignored()
+    logprob_token_ids: list[int] | None = ignored()
+    return_tokens_as_token_ids: bool | None = ignored(False)
+    return_token_offsets: bool | None = ignored(False)
+    return_mm_kwargs: bool = ignored(True)
+    routed_experts_prompt_start: int = ignored(0)
+    request_id: str | None = ignored()
+    """vLLM names the request with it; here every request gets a fresh id."""
+    session_id: str | None = ignored()
+    cache_salt: str | None = ignored()
+    """vLLM salts this request's prefix-cache hashes with it; not implemented here yet."""
+    kv_transfer_params: dict[str, Any] | None = ignored()
+    ec_transfer_params: dict[str, Any] | None = ignored()
+    vllm_xargs: dict[str, Any] | None = ignored()
+    repetition_detection: dict[str, Any] | None = ignored()
+    thinking_token_budget: int | None = ignored()
+    stream_interval: int | None = ignored()
+    """vLLM batches this many tokens into a chunk; here every step's tokens go at once."""
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this request carries that the server will not act on: vLLM's
+        fields set to something other than their no-op, and unknown fields (vLLM's
+        rule: accepted, and their names logged)."""
+        names = []
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "x-ignored" in extra:
+                value = getattr(self, name)
+                if value is not None and not _same(value, extra["x-ignored"]):
+                    names.append(name)
+        names += sorted(self.model_extra or {})
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
+        return names
+
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field asking for something
         this server does not do."""
@@ -169,6 +264,14 @@ class SamplingRequest(APIModel):
                     raise UnsupportedField(name, value, extra["x-noop"])
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", self.stream_options.model_dump(), None)
+        for name in self.model_extra or {}:
+            if name in REMOVED_FIELDS:
+                raise ValidationError(name, f"{name}: removed from vLLM's API in v0.12 (vLLM ignores "
+                                      f"it now, so the output would come back unconstrained); send "
+                                      f"{REMOVED_FIELDS[name]}", None)
+            if name in MISPLACED_FIELDS:
+                raise ValidationError(name, f"{name}: unknown field at the top level of the body; "
+                                      f"send {MISPLACED_FIELDS[name]}", None)
 
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; SamplingParams checks every value."""

@@ -21,6 +21,7 @@ from minivllm.base_protocol import (
     SamplingRequest,
     Usage,
     bounded,
+    ignored,
     unsupported,
 )
 from minivllm.chat_utils import ROLES
@@ -54,8 +55,23 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Any = unsupported([])
     function_call: Any = unsupported("none")
 
+    # vLLM's chat fields that this server accepts but does not act on.
+    echo: bool = ignored(False)
+    add_generation_prompt: bool = ignored(True)
+    """This server always ends the rendered chat with the assistant's turn opening."""
+    continue_final_message: bool = ignored(False)
+    documents: list[dict[str, str]] | None = ignored()
+    chat_template: str | None = ignored()
+    """This server always renders with the model's own chat template."""
+    chat_template_kwargs: dict[str, Any] | None = ignored()
+    media_io_kwargs: dict[str, Any] | None = ignored()
+    mm_processor_kwargs: dict[str, Any] | None = ignored()
+    reasoning_effort: str | None = ignored()
+    include_reasoning: bool = ignored(True)
+    return_prompt_text: bool | None = ignored(False)
+
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing (vLLM's default)
             raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true",
                                   self.top_logprobs)
         # Checked here too, so that an error names the field the client sent.

@@ -20,6 +20,7 @@ from minivllm.base_protocol import (
     TokenIds,
     Usage,
     bounded,
+    ignored,
     unsupported,
 )
 from minivllm.exceptions import ValidationError
@@ -35,6 +36,8 @@ class CompletionRequest(SamplingRequest):
     likely tokens at each position; 0 is the chosen token alone."""
     best_of: Any = unsupported(1)
     suffix: Any = unsupported()
+    prompt_embeds: str | list[str] | None = ignored()
+    """vLLM's: base64 tensors given instead of a prompt; here ``prompt`` is required."""
 
     def engine_prompt(self) -> str | dict:
         """The prompt as the engine takes it; a batch of one is unwrapped."""

@@ -2,11 +2,13 @@
 
 What this layer checks is what JSON can get wrong: the shape of the body and the *type*
 of each field, exactly (no coercion: ``"0.5"`` is not a number, ``1.0`` is not an integer,
-``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Unknown fields
-are refused with a 400 naming them, and so are the OpenAI fields this server does not
-implement (tools, ``best_of``, ``suffix``, ``echo``): a field that is accepted and silently ignored would change what a
-client gets without telling it. Each unsupported field is accepted only with the value
-that asks for nothing (``echo: false``, ``best_of: 1``, ...), which some clients send.
+``1`` is not a boolean) and finite (``NaN`` and ``Infinity`` are refused). Which fields
+are accepted follows vLLM (:mod:`minivllm.base_protocol` says how): the OpenAI fields
+this server cannot honour (tools, ``best_of``, ``suffix``, ``echo``) are refused unless
+they ask for nothing; vLLM's fields it does not act on, and unknown fields, are accepted
+and named in a warning and in the ``x-minivllm-ignored-fields`` response header, so
+that a client built for vLLM (guidellm, ``vllm bench serve``) works unchanged and still
+learns what was not done.
 
 Value *ranges* (temperature >= 0, top_p in (0, 1], ...) are published in the schema, from
 the constants in ``minivllm.sampling_params``, but checked by ``SamplingParams`` alone, so
@@ -37,10 +39,13 @@ from pydantic import BaseModel
 
 # Every body's model, where the server, the tests and notebook 10 import it from.
 from minivllm.base_protocol import (  # noqa: F401
+    IGNORED_FIELDS_HEADER,
+    MISPLACED_FIELDS,
     REMOVED_FIELDS,
     APIModel,
     FinishReason,
     JSONSchemaFormat,
+    OpenAIModel,
     ResponseFormat,
     SamplingRequest,
     StreamOptions,
@@ -49,6 +54,7 @@ from minivllm.base_protocol import (  # noqa: F401
     UnsupportedField,
     Usage,
     bounded,
+    ignored,
     unsupported,
 )
 from minivllm.chat_protocol import (  # noqa: F401

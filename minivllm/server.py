@@ -16,7 +16,7 @@ only translates, in four parts: the request and response bodies and the error sh
 module wires them into a FastAPI app and runs it. Every failure gets OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}`` with the status a client expects:
 
-    400  malformed JSON, a wrong type, an unknown or unsupported field, an invalid
+    400  malformed JSON, a wrong type, an unsupported or removed field, an invalid
          sampling value, a prompt that cannot fit, max_tokens beyond the model's length
          (``param`` names the field: it comes from the ValidationError that found it)
     401  a missing or wrong API key (when the server was started with one), checked
@@ -59,7 +59,7 @@ from minivllm.llm import LLM
 from minivllm.middleware import CountResponses, RequestGuard
 from minivllm.prometheus import CONTENT_TYPE
 from minivllm.protocol import (
-    REMOVED_FIELDS,
+    IGNORED_FIELDS_HEADER,
     APIError,
     ChatCompletionResponse,
     CompletionResponse,
@@ -91,8 +91,12 @@ _SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
 
 
 def _json_and_sse(model: type) -> dict:
+    ignored = {"description": "the request's fields this server accepted but did not act on "
+                              "(vLLM's fields it lacks, unknown fields), comma-separated",
+               "schema": {"type": "string"}}
     return {200: {"model": model, "description": "the result, or server-sent events with stream=true",
-                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+                  "headers": {IGNORED_FIELDS_HEADER: ignored}}}
 
 
 # -- the app -----------------------------------------------------------------------------
@@ -214,10 +218,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
         if param is None:
             return bad_request(f"the request body must be a JSON object: {err['msg']}").response()
         where = ".".join(loc)
-        if err["type"] == "extra_forbidden" and where in REMOVED_FIELDS:
-            message = (f"{where}: removed from vLLM's API in v0.12 (vLLM ignores it now, so the "
-                       f"output would come back unconstrained); send {REMOVED_FIELDS[where]}")
-        elif err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden":  # inside an object whose keys shape the output
             message = f"{where}: unknown field; this API has no such field"
         else:
             message = f"{where}: {err['msg']} (got {err.get('input')!r})"

@@ -38,6 +38,7 @@ from minivllm.metrics import Counter
 from minivllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from minivllm.prometheus import CONTENT_TYPE, render_metrics
 from minivllm.protocol import (
+    IGNORED_FIELDS_HEADER,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -101,6 +102,7 @@ class OpenAIServing:
         except ValidationError as e:
             raise invalid_request(e) from None
         stream = await self.start(prompt, params, "cmpl", "prompt", body.priority)
+        headers = ignored_fields_header(body, stream.request_id)
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
 
@@ -121,7 +123,7 @@ class OpenAIServing:
                 # A choice with no new text waits: its tokens' logprobs go with its next chunk.
                 return [{**head, "choices": [choice(c, text, final)]}
                         for c, text, final, _ in deltas.new(out) if text or final]
-            return sse(stream, chunk, head, body)
+            return sse(stream, chunk, head, body, headers)
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
@@ -130,18 +132,19 @@ class OpenAIServing:
         if body.return_token_ids:
             for c, ch in zip(out.outputs, choices):
                 ch["token_ids"] = c.token_ids
-        return JSONResponse({**head, "choices": choices, "usage": usage(out)})
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)}, headers=headers)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         params = self._chat_sampling_params(body)
         messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
         stream = await self.start(messages, params, "chatcmpl", "messages", body.priority)
+        headers = ignored_fields_header(body, stream.request_id)
         head = {"id": stream.request_id, "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return sse(stream, _chat_chunks(head, params.logprobs), head, body)
+            return sse(stream, _chat_chunks(head, params.logprobs), head, body, headers)
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
@@ -155,7 +158,7 @@ class OpenAIServing:
             if body.return_token_ids:
                 choice["token_ids"] = c.token_ids
             choices.append(choice)
-        return JSONResponse({**head, "choices": choices, "usage": usage(out)})
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)}, headers=headers)
 
     def _chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
         """As for a completion, with OpenAI's newer name ``max_completion_tokens`` for
@@ -305,10 +308,29 @@ def raise_if_failed(out: RequestOutput) -> None:
             raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput, index: int | None = None) -> dict[str, int]:
+    """The request's usage; with ``index``, choice ``index``'s so far (what vLLM's
+    ``continuous_usage_stats`` puts in each chunk of that choice)."""
     # With n > 1 the prompt counts once and every completion's tokens count (OpenAI's rule).
-    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs if index is None or c.index == index)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def ignored_fields_header(body: SamplingRequest, request_id: str) -> dict[str, str]:
+    """The response header naming the fields this request carried that the server does
+    not act on (vLLM's fields it lacks, unknown fields), logged once as vLLM logs them."""
+    # A field's name is any JSON string: escape it to printable ASCII, as a header must
+    # be (a raw "\r\n" would start a header of the client's choosing), and bound the list.
+    names = [name.encode("unicode_escape").decode("ascii") for name in body.ignored_fields()]
+    if not names:
+        return {}
+    value = ",".join(names)
+    if len(value) > 1000:
+        value = value[:997] + "..."
+    logger.warning("request %s: fields accepted but ignored (this server does not act on "
+                   "them): %s", request_id, value.replace(",", ", "))
+    return {IGNORED_FIELDS_HEADER: value}
 
 
 async def last_output(stream: RequestStream) -> RequestOutput:
@@ -340,13 +362,20 @@ async def unless_disconnected(request: Request, work: Any) -> Any:
 
 
 def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], head: dict,
-        body: SamplingRequest) -> StreamingResponse:
+        body: SamplingRequest, headers: dict[str, str] | None = None) -> StreamingResponse:
     """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
+
+    ``stream_options`` as vLLM reads them: ``include_usage`` adds a last chunk with the
+    request's usage and no choices; with it, ``continuous_usage_stats`` also puts a
+    ``usage`` in every chunk, counting that chunk's choice's tokens so far (so a load
+    generator can time each token without parsing text).
 
     When the client disconnects, Starlette cancels this generator while it waits for the
     next output; ``stream.close()`` in ``finally`` then aborts the request.
     """
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    options = body.stream_options
+    include_usage = options is not None and bool(options.include_usage)
+    continuous_usage = include_usage and bool(options.continuous_usage_stats)
 
     async def events() -> AsyncIterator[str]:
         # The status line (200) is long gone when something fails: report it in-band, as
@@ -360,6 +389,8 @@ def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], hea
                     yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
                     break
                 for data in chunk(out):  # one chunk per choice that progressed
+                    if continuous_usage:
+                        data["usage"] = usage(out, data["choices"][0]["index"])
                     yield f"data: {json.dumps(data)}\n\n"
                 if out.finished and include_usage:
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(out)})}\n\n"
@@ -372,4 +403,4 @@ def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], hea
             stream.close()
 
     return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+                             headers={"Cache-Control": "no-cache", **(headers or {})})
