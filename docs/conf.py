@@ -46,7 +46,7 @@ extensions = [
 # that exist outside minivllm (torch.Tensor, str, ...), which have no page here because
 # intersphinx would download other projects' inventories.
 nitpicky = True
-# Except the annotations of the server's pydantic fields (minivllm.protocol): they carry
+# Except the annotations of the server's pydantic fields (minivllm.entrypoints.openai.protocol): they carry
 # their JSON-schema bounds as ``Annotated[int, Field(...)]`` / ``bounded(int, ...)``,
 # which autodoc prints as a type but nothing can link to.
 nitpick_ignore_regex = [(r"py:(class|obj)", r".*Annotated\[.*"), (r"py:class", r"bounded")]

@@ -27,7 +27,7 @@ from paged_batches import (
     sdpa_expected,
 )
 
-from minivllm.attention import AttentionMetadata
+from minivllm.worker.attention import AttentionMetadata
 
 pytestmark = pytest.mark.checks("attention")
 

@@ -243,7 +243,7 @@ from minivllm import install  # noqa: E402  (standard library only; safe to impo
 
 
 def test_model_wheel_pin_agrees_with_the_loader_and_installer() -> None:
-    from minivllm.model_loader import DEFAULT_MODEL, EMBEDDED_MODELS
+    from minivllm.worker.model_loader import DEFAULT_MODEL, EMBEDDED_MODELS
 
     assert install.MODEL_SPEC == MODEL_SPEC == EMBEDDED_MODELS[DEFAULT_MODEL][0]
 

@@ -1,0 +1,103 @@
+"""The bodies of ``/v1/chat/completions``: messages in, an assistant message out.
+
+A chat request is the shared sampling fields (:class:`~minivllm.entrypoints.openai.base_protocol.SamplingRequest`)
+plus ``messages``, which the server renders with the model's chat template
+(:mod:`minivllm.entrypoints.chat_utils`, which also checks them, as ``LLM.chat`` does). Logprobs are
+asked for OpenAI's chat way: ``logprobs: true`` and a number of ``top_logprobs``; the
+tool-calling fields are refused unless they ask for nothing.
+
+In vLLM (0.34): ``vllm/entrypoints/openai/chat_completion/protocol.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, WithJsonSchema
+
+from minivllm.entrypoints.chat_utils import ROLES
+from minivllm.entrypoints.openai.base_protocol import (
+    APIModel,
+    FinishReason,
+    SamplingRequest,
+    Usage,
+    bounded,
+    unsupported,
+)
+from minivllm.exceptions import ValidationError, check_int
+from minivllm.sampling_params import MAX_LOGPROBS
+
+_TEXT_PART = {"type": "object", "additionalProperties": False, "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
+class ChatMessage(APIModel):
+    """Checked by ``minivllm.entrypoints.chat_utils`` (the same checks as ``LLM.chat``); the schema
+    says what it accepts."""
+
+    role: Annotated[str, WithJsonSchema({"enum": list(ROLES)})]
+    content: Annotated[Any, WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]})]
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})]
+    max_completion_tokens: bounded(int, minimum=1) = None
+    """The newer OpenAI name for max_tokens."""
+    logprobs: bool | None = None
+    """OpenAI's: each generated token's logprob in ``choices[i].logprobs.content``."""
+    top_logprobs: bounded(int, minimum=0, maximum=MAX_LOGPROBS) = None
+    """OpenAI's: with ``logprobs``, also the ``top_logprobs`` most likely tokens per position."""
+    tools: Any = unsupported([])
+    tool_choice: Any = unsupported("none")
+    parallel_tool_calls: Any = unsupported()
+    functions: Any = unsupported([])
+    function_call: Any = unsupported("none")
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValidationError("top_logprobs", "top_logprobs needs logprobs: true",
+                                  self.top_logprobs)
+        # Checked here too, so that an error names the field the client sent.
+        top = check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_LOGPROBS,
+                        optional=True)
+        return (top or 0) if self.logprobs else None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    """The UTF-8 bytes of ``token`` (a piece of a multi-byte character is U+FFFD's)."""
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    """The ``top_logprobs`` most likely tokens at this position, most likely first."""
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: int | str | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
