@@ -2,7 +2,7 @@
 
 Read first: notebook 05 (paged attention: the reference, then the Triton kernels).
 Check:      minivllm check attention build_it_yourself/attention.py:MyAttentionBackend
-Solution:   kernels/reference.py (installed as minivllm.kernels.reference:
+Solution:   minivllm/kernels/reference.py (minivllm.kernels.reference:
             reshape_and_cache, paged_attention) behind TorchAttentionBackend in
             minivllm/worker/attention.py
 

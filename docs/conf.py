@@ -29,7 +29,7 @@ root_doc = "docs/index"
 include_patterns = ["docs/**", "notebooks/[0-9][0-9]_*.ipynb"]
 # Sphinx walks the whole source folder before it filters; excluded folders are not
 # entered at all, which keeps it out of .venv and .git (tens of thousands of files).
-exclude_patterns = [".*", "**/.*", "build", "dist", "*.egg-info", "minivllm", "kernels",
+exclude_patterns = [".*", "**/.*", "build", "dist", "*.egg-info", "minivllm",
                     "tests", "figures", "notebooks/learner", "notebooks/checks", "docs/_ext", "docs/_templates"]
 templates_path = ["_templates"]
 

@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# kernels/ installs as minivllm.kernels (pyproject.toml's package-dir)
-PACKAGES = {"minivllm": ROOT / "minivllm", "minivllm.kernels": ROOT / "kernels"}
+PACKAGES = {"minivllm": ROOT / "minivllm"}
 
 
 def module_files(packages: dict[str, Path]) -> dict[str, Path]:

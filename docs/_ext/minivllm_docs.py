@@ -231,8 +231,7 @@ def _merge_source_links(app, env, docnames, other) -> None:
 
 def package_modules(root: Path) -> list[str]:
     """Every module that ``pip install`` installs: the packages pyproject.toml lists under
-    ``[tool.setuptools] packages`` (``minivllm.kernels`` lives in ``kernels/``, which a
-    walk of ``minivllm/`` would miss) and the modules in each, sorted by name. A
+    ``[tool.setuptools] packages`` and the modules in each, sorted by name. A
     package's ``__main__`` is left out: importing it runs the program."""
     with open(root / "pyproject.toml", "rb") as f:
         packages = tomllib.load(f)["tool"]["setuptools"]["packages"]

@@ -28,7 +28,7 @@ _ARCHITECTURE = {
     "runner": ("Model runner: one flat batch\ninput_ids, positions, slot_mapping",
                "minivllm/worker/model_runner.py", "04 05", 6.6, 4.8),
     "attention": ("Model (transformers), its attention:\nthe paged attention kernel",
-                  "minivllm/worker/attention.py\nkernels/ (reference, Triton)", "05", 6.6, 2.6),
+                  "minivllm/worker/attention.py\nminivllm/kernels/ (reference, Triton)", "05", 6.6, 2.6),
     "sampler": ("Sampler: logits -> next token\ngreedy, temperature, top-k/p",
                 "minivllm/sample/sampler.py", "00 12 13", 6.6, 0.4),
 }

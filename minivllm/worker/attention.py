@@ -14,7 +14,7 @@ An attention backend is an object with the few operations the model runner needs
   metadata (:class:`AttentionMetadata`) to what this backend's kernels read;
 - :meth:`~AttentionBackend.forward`, once per layer: ``write_kv`` then ``attend``.
 
-:class:`TorchAttentionBackend` runs the PyTorch reference (``kernels/reference.py``,
+:class:`TorchAttentionBackend` runs the PyTorch reference (``minivllm/kernels/reference.py``,
 the CPU serving path); :class:`TritonAttentionBackend` runs the Triton kernels. vLLM
 spreads each backend over three classes (``AttentionBackend`` names the parts,
 ``AttentionMetadataBuilder.build`` makes the per-step metadata, ``AttentionImpl.forward``
