@@ -2,9 +2,9 @@
 
 Read first: notebook 05 (paged attention: the reference, then the Triton kernels).
 Check:      minivllm check attention build_it_yourself/attention.py:MyAttentionBackend
-Solution:   kernels/reference.py (installed as minivllm.kernels.reference:
+Solution:   minivllm/kernels/reference.py (minivllm.kernels.reference:
             reshape_and_cache, paged_attention) behind TorchAttentionBackend in
-            minivllm/attention.py
+            minivllm/worker/attention.py
 
 Every layer of the model hands the backend this step's queries, keys and values for the
 whole flat batch (every scheduled token of every request, concatenated). The backend
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention import AttentionBackend, AttentionMetadata
+from minivllm.worker.attention import AttentionBackend, AttentionMetadata
 
 
 class MyAttentionBackend(AttentionBackend):

@@ -2,7 +2,7 @@
 
 Read first: notebook 00 (quickstart: sampling parameters).
 Check:      minivllm check sampler build_it_yourself/sampler.py:MySampler
-Solution:   minivllm/sampler.py (the engine's Sampler: greedy, sample, apply_top_k_top_p)
+Solution:   minivllm/sample/sampler.py (the engine's Sampler: greedy, sample, apply_top_k_top_p)
 
 The model gives one row of logits (``[vocab]``) per request that samples this step. The
 engine's ``Sampler.__call__`` (kept) calls ``greedy`` on all rows, then ``sample`` for
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.sampler import Sampler, SamplingError  # noqa: F401  (SamplingError: for you)
+from minivllm.sample.sampler import Sampler, SamplingError  # noqa: F401  (SamplingError: for you)
 from minivllm.sampling_params import SamplingParams
 
 

@@ -29,7 +29,7 @@ root_doc = "docs/index"
 include_patterns = ["docs/**", "notebooks/[0-9][0-9]_*.ipynb"]
 # Sphinx walks the whole source folder before it filters; excluded folders are not
 # entered at all, which keeps it out of .venv and .git (tens of thousands of files).
-exclude_patterns = [".*", "**/.*", "build", "dist", "*.egg-info", "minivllm", "kernels",
+exclude_patterns = [".*", "**/.*", "build", "dist", "*.egg-info", "minivllm",
                     "tests", "figures", "notebooks/learner", "notebooks/checks", "docs/_ext", "docs/_templates"]
 templates_path = ["_templates"]
 
@@ -46,7 +46,7 @@ extensions = [
 # that exist outside minivllm (torch.Tensor, str, ...), which have no page here because
 # intersphinx would download other projects' inventories.
 nitpicky = True
-# Except the annotations of the server's pydantic fields (minivllm.protocol): they carry
+# Except the annotations of the server's pydantic fields (minivllm.entrypoints.openai.protocol): they carry
 # their JSON-schema bounds as ``Annotated[int, Field(...)]`` / ``bounded(int, ...)``,
 # which autodoc prints as a type but nothing can link to.
 nitpick_ignore_regex = [(r"py:(class|obj)", r".*Annotated\[.*"), (r"py:class", r"bounded")]

@@ -16,11 +16,11 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "minivllm.llm",
-    "LLMEngine": "minivllm.engine",
+    "LLM": "minivllm.entrypoints.llm",
+    "LLMEngine": "minivllm.engine.llm_engine",
     "EngineConfig": "minivllm.config",
     "SamplingParams": "minivllm.sampling_params",
-    "StructuredOutputsParams": "minivllm.structured_output",
+    "StructuredOutputsParams": "minivllm.sample.structured_output",
     "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
 }

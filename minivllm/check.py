@@ -74,12 +74,12 @@ PIECES: dict[str, Piece] = {
         ("test_prefix_caching.py", "test_scheduler.py", "test_engine.py"),
         "07_prefix_caching"),
     "attention": Piece(
-        "attention_backend", "minivllm.attention:TorchAttentionBackend",
+        "attention_backend", "minivllm.worker.attention:TorchAttentionBackend",
         "AttentionBackend.write_kv and attend: the reference paged attention",
         ("test_attention.py", "test_engine.py"),
         "05_paged_attention_triton"),
     "sampler": Piece(
-        "sampler_cls", "minivllm.sampler:Sampler",
+        "sampler_cls", "minivllm.sample.sampler:Sampler",
         "Sampler.greedy and sample: greedy, temperature, top-k, top-p",
         ("test_sampler.py", "test_engine.py"),
         "00_quickstart"),

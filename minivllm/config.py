@@ -6,7 +6,7 @@ its default and a line of help, and everything else is made from that:
 * ``LLM(...)`` keeps explicit keyword arguments (a learner reads them in the signature);
   a test checks that they are exactly these fields with these defaults.
 * The command line's engine flags (``minivllm serve``, ``generate``, ``bench``) are made
-  from the fields by ``minivllm.arg_utils.add_engine_arguments``, help text included.
+  from the fields by ``minivllm.engine.arg_utils.add_engine_arguments``, help text included.
 * The KV cache is sized from the settings by one function,
   ``minivllm.core.kv_cache_utils.size_kv_cache``, which the engine and the simulator
   both call.
@@ -37,17 +37,17 @@ from minivllm.exceptions import (
 )
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-"""The embedded model (``minivllm.model_loader.EMBEDDED_MODELS``)."""
+"""The embedded model (``minivllm.worker.model_loader.EMBEDDED_MODELS``)."""
 BACKENDS = ("auto", "torch", "triton")
-"""The attention backends by name (``minivllm.attention``)."""
+"""The attention backends by name (``minivllm.worker.attention``)."""
 LINEAR_BACKENDS = ("auto", "onednn", "torch", "transposed")
-"""The libraries the linear layers may run on (``minivllm.linear``)."""
+"""The libraries the linear layers may run on (``minivllm.worker.linear``)."""
 SCHEDULING_POLICIES = ("fcfs", "priority")
 """vLLM's two policies: first come first served, or by each request's ``priority``."""
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-"""The dtypes the weights and KV cache may take (``minivllm.executor.DTYPES`` maps them to torch's)."""
+"""The dtypes the weights and KV cache may take (``minivllm.executor.abstract.DTYPES`` maps them to torch's)."""
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
 
 
@@ -84,7 +84,7 @@ class EngineConfig:
                 "'path/to/file.py:Class'")
     linear_backend: str = setting(
         "auto", "'auto': on a CPU, per row count the library that measured fastest here "
-                "(minivllm.linear; measured once, then cached); 'torch': nn.Linear as it is; "
+                "(minivllm.worker.linear; measured once, then cached); 'torch': nn.Linear as it is; "
                 "'onednn', 'transposed': one library for every product", LINEAR_BACKENDS)
     dtype: str = setting("float32", "dtype of the weights and the KV cache", DTYPE_NAMES)
     device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
@@ -105,7 +105,7 @@ class EngineConfig:
         "the block pool class the KV cache manager builds: a class, 'module:Class' or "
         "'path/to/file.py:Class'")
     sampler_cls: str | type = setting(
-        "minivllm.sampler:Sampler",
+        "minivllm.sample.sampler:Sampler",
         "the sampler class: a class, 'module:Class' or 'path/to/file.py:Class'")
     tensor_parallel_size: int = setting(
         1, "split the model across this many processes (rank 0 is the engine's own), by "
@@ -231,7 +231,7 @@ COMPONENT_FIELDS = ("scheduler_cls", "kv_cache_manager_cls", "block_pool_cls", "
 build-it-yourself track, ``build_it_yourself/``; ``minivllm check`` runs the engine's
 tests on one). The defaults are names too, loaded by :func:`load_component` like a
 learner's ("auto", "torch" and "triton" name the attention backends' classes,
-:data:`minivllm.attention.BACKEND_CLASSES`), so every engine the test suite builds goes
+:data:`minivllm.worker.attention.BACKEND_CLASSES`), so every engine the test suite builds goes
 through the same hook."""
 
 

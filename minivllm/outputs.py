@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.logprobs import Logprob
 from minivllm.metrics import RequestMetrics
+from minivllm.sample.logprobs import Logprob
 
 SampleLogprobs = list[dict[int, Logprob]]
 """One ``{token_id: Logprob}`` per generated token: the chosen token and the top-k."""

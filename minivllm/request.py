@@ -67,11 +67,11 @@ class Request:
         """Draft tokens proposed to follow ``all_token_ids`` (speculative decoding): not
         part of the request's tokens until the target model accepts them."""
         self.grammar = None
-        """Structured output: the request's ``GrammarState`` (``minivllm.structured_output``)
+        """Structured output: the request's ``GrammarState`` (``minivllm.sample.structured_output``)
         when its params have ``structured_outputs``, set by the engine when it is added. The
         scheduler advances it over each token the request keeps."""
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
-        """One ``PositionLogprobs`` (``minivllm.logprobs``) per output token, when the request
+        """One ``PositionLogprobs`` (``minivllm.sample.logprobs``) per output token, when the request
         asks for ``logprobs``; None otherwise."""
         self.prompt_logprobs: list | None = (
             [None] if sampling_params.prompt_logprobs is not None else None)

@@ -9,7 +9,7 @@ message gives the value and what is allowed. So a bad request never reaches the 
 where it would fail inside a step that other requests share.
 
 The limits live here and nowhere else: the HTTP server publishes them in its OpenAPI
-schema (``minivllm.protocol``) but leaves the checking to this class.
+schema (``minivllm.entrypoints.openai.protocol``) but leaves the checking to this class.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from minivllm.exceptions import (
     check_float,
     check_int,
 )
-from minivllm.structured_output import StructuredOutputsParams
+from minivllm.sample.structured_output import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5
 """A temperature below this is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
@@ -38,7 +38,7 @@ its own KV blocks past the shared prompt, so ``n`` multiplies the work and the m
 MAX_LOGPROBS = 20
 """The largest ``logprobs`` and ``prompt_logprobs`` (vLLM's default ``max_logprobs``, and
 OpenAI's cap on ``top_logprobs``): each costs a ``topk`` that wide per position and that
-many entries in every output (``minivllm.logprobs``)."""
+many entries in every output (``minivllm.sample.logprobs``)."""
 
 
 @dataclass
@@ -78,11 +78,11 @@ class SamplingParams:
     (OpenAI's); -100 all but bans a token, 100 all but forces it."""
     n: int = 1
     """Completions to generate for the prompt, in [1, ``MAX_N``] (parallel sampling,
-    ``minivllm.parallel_sampling``): n child requests that share the prompt's KV blocks.
+    ``minivllm.engine.parallel_sampling``): n child requests that share the prompt's KV blocks.
     With a ``seed``, child ``i`` samples with ``seed + i`` (as vLLM does)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Structured output: a JSON schema, regex, choice list or grammar the output must
-    match, enforced by masking the logits (``minivllm.structured_output``)."""
+    match, enforced by masking the logits (``minivllm.sample.structured_output``)."""
     logprobs: int | None = None
     """Per generated token: its log-probability and rank, plus the ``logprobs`` most likely
     tokens at that position; 0 is the chosen token alone, None is off; at most

@@ -16,7 +16,7 @@ from minivllm.metrics import RequestMetrics
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_manager import KVCacheManager
     from minivllm.core.scheduler import Scheduler, SchedulerOutput
-    from minivllm.distributed.executor import StepTiming
+    from minivllm.executor.multiproc_executor import StepTiming
 
 
 @dataclass
@@ -58,7 +58,7 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     parallel: StepTiming | None = None
     """With tensor parallelism: each rank's forward pass split into compute and
-    communication (``minivllm.distributed.executor.StepTiming``); None otherwise."""
+    communication (``minivllm.executor.multiproc_executor.StepTiming``); None otherwise."""
 
     @property
     def num_tokens(self) -> int:

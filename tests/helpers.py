@@ -9,8 +9,8 @@ import torch
 from transformers import GenerationConfig
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.attention import BACKEND_CLASSES, BACKENDS
 from minivllm.config import COMPONENT_FIELDS, load_component
+from minivllm.worker.attention import BACKEND_CLASSES, BACKENDS
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -4,7 +4,7 @@ One call per layer (``AttentionBackend.forward``) stores this step's new keys an
 through ``slot_mapping`` and attends over the paged cache through the block tables,
 causally: a prompt, a prompt chunk after cached context, and a decode are one formula.
 The backend comes from ``components`` (tests/conftest.py): the PyTorch reference
-(``kernels/reference.py``, the engine's CPU path) by default, or a learner's under
+(``minivllm/kernels/reference.py``, the engine's CPU path) by default, or a learner's under
 ``minivllm check attention`` (build_it_yourself/attention.py). No Triton needed.
 """
 
@@ -27,7 +27,7 @@ from paged_batches import (
     sdpa_expected,
 )
 
-from minivllm.attention import AttentionMetadata
+from minivllm.worker.attention import AttentionMetadata
 
 pytestmark = pytest.mark.checks("attention")
 

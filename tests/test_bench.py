@@ -20,12 +20,13 @@ from minivllm.bench import (
     priority_workload,
     throughput_benchmark,
 )
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.linear import onednn_available, plain_linears
-from minivllm.model_loader import make_tiny_model
-from minivllm.replay import replay_workload
-from minivllm.simulator import CostModel, make_simulated_engine
-from minivllm.workload import WorkloadRequest, make_workload
+from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.sim.cost_model import CostModel
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.simulator import make_simulated_engine
+from minivllm.sim.workload import WorkloadRequest, make_workload
+from minivllm.worker.linear_plan import onednn_available, plain_linears
+from minivllm.worker.model_loader import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_chunked_prefill_simulated_removes_the_spike():
 
 
 def test_cli_has_bench(capsys):
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
@@ -222,7 +223,7 @@ def test_bench_serve_drives_both_servers_and_the_offline_engine():
 
 @pytest.mark.real_model
 def test_cli_bench_memory_and_simulate(capsys, tmp_path):
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     assert main(["bench", "memory", "--figures", str(tmp_path)]) == 0
     assert main(["bench", "simulate", "--num-requests", "50"]) == 0
@@ -252,7 +253,7 @@ def test_speculative_benchmark_rows_keep_the_tokens():
     from tiny_chat import tiny_chat_llm
 
     from minivllm.bench.speculative import KS, speculative_benchmark
-    from minivllm.workload import copy_workload
+    from minivllm.sim.workload import copy_workload
 
     llm = tiny_chat_llm()
     tokenizer = llm.llm_engine.tokenizer

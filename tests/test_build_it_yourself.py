@@ -50,7 +50,7 @@ TESTS = Path(__file__).parent
 
 def check(piece: str, spec: str, *select: str) -> subprocess.CompletedProcess:
     """The real command, in a fresh interpreter, as a learner runs it."""
-    return subprocess.run([sys.executable, "-m", "minivllm.cli", "check", piece, spec, *select],
+    return subprocess.run([sys.executable, "-m", "minivllm.entrypoints.cli", "check", piece, spec, *select],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
 
 
@@ -106,7 +106,7 @@ def test_a_wrong_implementation_fails(piece):
 
 @pytest.mark.multiprocess
 def test_the_command_passes_the_engines_sampler_and_fails_the_stub():
-    ok = check("sampler", "minivllm.sampler:Sampler")
+    ok = check("sampler", "minivllm.sample.sampler:Sampler")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     passed, total = counts(ok.stdout.splitlines()[0], "sampler")
     assert passed == total >= 5 and "✓" in ok.stdout

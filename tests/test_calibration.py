@@ -8,13 +8,9 @@ import logging
 import pytest
 import torch
 
-from minivllm import cost_model, simulator
-from minivllm.simulator import (
-    CostModel,
-    calibration_key,
-    calibration_path,
-    make_simulated_engine,
-)
+from minivllm.sim import cost_model
+from minivllm.sim.cost_model import CostModel, calibration_key, calibration_path
+from minivllm.sim.simulator import make_simulated_engine
 
 
 @pytest.fixture
@@ -26,8 +22,8 @@ def empty_cache(tmp_path, monkeypatch):
     the GGUF again was half of this module's time."""
     import shutil
 
-    from minivllm.linear import PLAN_FILE
-    from minivllm.model_loader import DEFAULT_MODEL, cache_root
+    from minivllm.worker.linear import PLAN_FILE
+    from minivllm.worker.model_loader import DEFAULT_MODEL, cache_root
 
     real = cache_root()
     if (real / DEFAULT_MODEL).is_dir():
@@ -61,7 +57,7 @@ def test_without_a_calibration_the_shipped_model_is_used_and_said_so_once(empty_
 
 
 def test_a_calibration_for_this_machine_is_used_without_a_warning(empty_cache, caplog):
-    mine = CostModel({n: 1e-3 for n in simulator.FEATURES},
+    mine = CostModel({n: 1e-3 for n in cost_model.FEATURES},
                      {"source": "calibrated on this machine", "cpu": "this CPU"})
     mine.save(calibration_path(calibration_key()))
     with caplog.at_level(logging.WARNING, logger="minivllm"):
@@ -83,7 +79,7 @@ def test_figures_of_simulated_time_name_their_cost_model(empty_cache):
         plot_latency_vs_rate,
     )
 
-    engine = make_simulated_engine(CostModel({n: 1e-3 for n in simulator.FEATURES},
+    engine = make_simulated_engine(CostModel({n: 1e-3 for n in cost_model.FEATURES},
                                              {"source": "a test model"}))
     for i in range(3):
         engine.add_request(str(i), {"prompt_token_ids": [1] * 20},
@@ -95,7 +91,7 @@ def test_figures_of_simulated_time_name_their_cost_model(empty_cache):
     points = latency_benchmark(lambda: make_simulated_engine(), [1.0], n=3)
     fig = plot_latency_vs_rate(points)
     assert "shipped" in fig.get_suptitle()
-    model = CostModel({n: 1e-3 for n in simulator.FEATURES}, {"source": "a test model"})
+    model = CostModel({n: 1e-3 for n in cost_model.FEATURES}, {"source": "a test model"})
     results = chunked_prefill_benchmark(
         lambda **kw: make_simulated_engine(model, **kw), num_decodes=2, decode_prompt_len=8,
         decode_tokens=4, long_prompt_len=64, inject_after_steps=1, chunk_budget=32)
@@ -110,8 +106,8 @@ def simulator_params(max_tokens: int):
 
 @pytest.mark.real_model
 def test_calibrate_fits_checks_and_caches_this_machines_model(empty_cache, monkeypatch):
-    from minivllm import simulator_fit
-    from minivllm.simulator_fit import CalibrationError, calibrate
+    from minivllm.sim import simulator_fit
+    from minivllm.sim.simulator_fit import CalibrationError, calibrate
 
     # The real measure-and-fit, once (four requests: too few for a good model, so any
     # held-out error is accepted here).

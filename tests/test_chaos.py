@@ -26,13 +26,13 @@ from helpers import greedy
 from tiny_chat import canary, tiny_chat_llm
 
 from minivllm import LLM, SamplingParams
-from minivllm.async_engine import AsyncLLMEngine, EngineOverloadedError
-from minivllm.model_loader import make_tiny_model
-from minivllm.sampler import SamplingError
+from minivllm.engine.async_llm import AsyncLLMEngine, EngineOverloadedError
+from minivllm.sample.sampler import SamplingError
+from minivllm.worker.model_loader import make_tiny_model
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
 
 N_CLIENTS = 64
 POISON_SEED = 4242

@@ -1,4 +1,4 @@
-"""The cluster simulator (minivllm.cluster_simulator): N simulated replicas behind a policy.
+"""The cluster simulator (minivllm.sim.cluster_simulator): N simulated replicas behind a policy.
 
 The reference is the single-engine simulator, which nobody wrote for this module: with
 one replica every policy must give its results request by request. The rest checks what
@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.cluster_simulator import simulate_cluster, sweep
-from minivllm.replay import replay_workload
-from minivllm.routing import ROUTING_POLICIES, PrefixAware
-from minivllm.simulator import CostModel, make_simulated_engine
-from minivllm.workload import WorkloadRequest, document_workload, iter_workload
+from minivllm.entrypoints.routing import ROUTING_POLICIES, PrefixAware
+from minivllm.sim.cluster_simulator import simulate_cluster, sweep
+from minivllm.sim.cost_model import CostModel
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.simulator import make_simulated_engine
+from minivllm.sim.workload import WorkloadRequest, document_workload, iter_workload
 
 COST = CostModel.load()  # the shipped model: the same numbers on every machine
 
@@ -172,7 +173,7 @@ def test_the_sweep_figure_draws_the_rows():
 
 
 def test_cli_bench_simulate_cluster(capsys, tmp_path):
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     assert main(["bench", "simulate-cluster", "--num-requests", "40", "--cluster-replicas", "1,2",
                  "--figures", str(tmp_path)]) == 0

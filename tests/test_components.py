@@ -10,7 +10,7 @@ from helpers import greedy, hf_greedy, random_workload, run_engine
 from minivllm import LLM
 from minivllm.core.scheduler import Scheduler
 from minivllm.exceptions import ValidationError
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 256
 
@@ -37,7 +37,7 @@ def test_a_class_given_as_scheduler_cls_is_the_one_that_schedules():
 
 def test_a_class_in_a_file_is_loaded_by_path(tmp_path):
     (tmp_path / "my_sampler.py").write_text(
-        "from minivllm.sampler import Sampler\n"
+        "from minivllm.sample.sampler import Sampler\n"
         "class MySampler(Sampler):\n"
         "    pass\n")
     model = make_tiny_model("llama", vocab_size=VOCAB)

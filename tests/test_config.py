@@ -10,10 +10,10 @@ import inspect
 import pytest
 
 from minivllm import LLM, EngineConfig
-from minivllm.arg_utils import add_engine_arguments, engine_kwargs
-from minivllm.cli import GENERATE_SETTINGS, SERVE_SETTINGS
 from minivllm.config import DEFAULT_KV_CACHE_MEMORY
 from minivllm.core.kv_cache_utils import size_kv_cache
+from minivllm.engine.arg_utils import add_engine_arguments, engine_kwargs
+from minivllm.entrypoints.cli import GENERATE_SETTINGS, SERVE_SETTINGS
 from minivllm.exceptions import ValidationError
 
 

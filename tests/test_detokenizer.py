@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.detokenizer import IncrementalDetokenizer, check_stop_strings
+from minivllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 
 
 class PieceTokenizer:
@@ -91,7 +91,7 @@ def test_real_tokenizer_split_characters_decode_once_complete():
     character is whole, and the pieces join to what the tokenizer decodes at once."""
     from transformers import AutoTokenizer
 
-    from minivllm.model_loader import DEFAULT_MODEL, resolve_model_dir
+    from minivllm.worker.model_loader import DEFAULT_MODEL, resolve_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))

@@ -26,7 +26,7 @@ from PIL import Image
 
 import minivllm
 from minivllm import viz
-from minivllm.cli import build_parser
+from minivllm.entrypoints.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

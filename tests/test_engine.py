@@ -10,7 +10,7 @@ from helpers import all_blocks_free, greedy, hf_greedy, random_workload, run_eng
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.triton_utils import triton_available
-from minivllm.model_loader import TINY_ARCHS, make_tiny_model
+from minivllm.worker.model_loader import TINY_ARCHS, make_tiny_model
 
 VOCAB = 512
 
@@ -299,7 +299,7 @@ def test_abort_frees_blocks_and_reports_abort():
 def test_stream_yields_the_same_text_as_generate():
     from transformers import AutoTokenizer
 
-    from minivllm.model_loader import resolve_model_dir
+    from minivllm.worker.model_loader import resolve_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))

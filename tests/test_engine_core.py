@@ -1,4 +1,4 @@
-"""The engine core in its own process (``minivllm.engine_core``, ``minivllm.core_client``).
+"""The engine core in its own process (``minivllm.engine.core``, ``minivllm.engine.core_client``).
 
 The server in front of a split engine must answer exactly as the offline engine does,
 free a disconnected request's blocks, refuse bad input without the core, say 503 until
@@ -27,9 +27,9 @@ pytest.importorskip("msgspec")
 httpx = pytest.importorskip("httpx")
 from test_server import scrape, successes, wait_until_idle  # noqa: E402
 
-from minivllm.async_engine import AsyncMPEngine  # noqa: E402
-from minivllm.detokenizer import IncrementalDetokenizer  # noqa: E402
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.engine.async_llm import AsyncMPEngine  # noqa: E402
+from minivllm.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
 
 pytestmark = [pytest.mark.real_model, pytest.mark.multiprocess]
 
@@ -259,7 +259,7 @@ def serve_in_a_process() -> tuple[subprocess.Popen, list[int], str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "minivllm.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(port),
                              "--max-num-seqs", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -210,7 +210,7 @@ def test_benchmark_exits_cleanly_without_cuda(monkeypatch, capsys):
 def test_attention_backend_stores_then_attends(backend):
     """The model runner's view of a kernel pair: one ``forward`` per layer stores this
     step's keys and values at ``slot_mapping``, then attends over the cache."""
-    from minivllm.attention import AttentionMetadata, get_attn_backend
+    from minivllm.worker.attention import AttentionMetadata, get_attn_backend
 
     bs = 8
     q_lens, seq_lens = mixed(bs)

@@ -1,4 +1,4 @@
-"""The engine's linear layers (minivllm.linear): oneDNN and (W @ x.T).T against stock
+"""The engine's linear layers (minivllm.worker.linear): oneDNN and (W @ x.T).T against stock
 nn.Linear, and linear_backend="auto", which measures them and keeps the fastest per row
 count, for the decoder's layers and for the vocabulary projection."""
 
@@ -14,25 +14,25 @@ from helpers import hf_greedy, random_workload, run_engine
 from torch import nn
 
 from minivllm import LLM, SamplingParams
-from minivllm import linear as linear_mod
-from minivllm.linear import (
+from minivllm.worker import linear as linear_mod
+from minivllm.worker.linear import PLAN_FILE, choose_linear_plan, plan_cache_key
+from minivllm.worker.linear_autotune import (
     BUCKET_ROWS,
-    FORWARD,
     HEAD_ROWS,
-    PLAN_FILE,
-    LinearChoice,
-    LinearPlan,
     choose_backends,
-    choose_linear_plan,
     measure_linear_backends,
     noisy,
+)
+from minivllm.worker.linear_plan import (
+    FORWARD,
+    LinearChoice,
+    LinearPlan,
     onednn_available,
     plain_linears,
-    plan_cache_key,
     planned_linear,
     resolve_linear_backend,
 )
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ MIXED = LinearPlan(LinearChoice(BUCKET_ROWS, ("torch", "torch", "onednn", "onedn
 @pytest.fixture
 def calls(monkeypatch) -> list[tuple[str, int, int]]:
     """Every linear product computed from now on, as (library, rows, output features):
-    the three implementations in minivllm.linear.FORWARD, and F.linear itself for the
+    the three implementations in minivllm.worker.linear_plan.FORWARD, and F.linear itself for the
     layers left as plain nn.Linear."""
     seen: list[tuple[str, int, int]] = []
 
@@ -297,7 +297,7 @@ def test_a_backend_that_cannot_run_here_is_not_a_candidate(monkeypatch):
     def refuses(x, weight, bias):
         raise RuntimeError("could not create a primitive descriptor")
 
-    monkeypatch.setitem(linear_mod.FORWARD, "onednn", refuses)
+    monkeypatch.setitem(FORWARD, "onednn", refuses)
     rates = measure_linear_backends(model, ("torch", "onednn", "transposed"), budget_s=0.05, rounds=2)
     for by_rows in rates.values():
         for by_backend in by_rows.values():

@@ -18,8 +18,8 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.exceptions import ValidationError
-from minivllm.logprobs import MAX_LOGPROBS, Logprob
-from minivllm.model_loader import make_tiny_model
+from minivllm.sample.logprobs import MAX_LOGPROBS, Logprob
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 128
 TOL = dict(rtol=0, atol=2e-4)
@@ -253,7 +253,7 @@ def test_openai_client_completions_and_chat_logprobs_stream_and_not():
     on the same model: the same tokens, logprobs and top alternatives."""
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
-    from minivllm.server import ServerThread, build_app
+    from minivllm.entrypoints.openai.api_server import ServerThread, build_app
 
     offline = LLM(log_stats_interval=None)
     prompt = "The capital of France is"

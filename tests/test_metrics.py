@@ -10,7 +10,7 @@ import pytest
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.metrics import Counter, Gauge, Histogram
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 
 @pytest.fixture(scope="module")

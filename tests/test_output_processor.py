@@ -15,9 +15,9 @@ from helpers import all_blocks_free
 from tiny_chat import tiny_chat_llm
 
 from minivllm import SamplingParams
-from minivllm.engine_core import EngineCore
+from minivllm.engine.core import EngineCore
+from minivllm.engine.output_processor import OutputProcessor
 from minivllm.metrics import RequestMetrics
-from minivllm.output_processor import OutputProcessor
 
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,", "Once upon a time"]
 

@@ -143,37 +143,13 @@ def test_environment_python_satisfies_requires_python(env: dict, pyproject: dict
     assert requires.contains("3.10"), "the README and Makefile promise Python >= 3.10"
 
 
-def test_kernels_folder_installs_only_as_minivllm_kernels(tmp_path: Path) -> None:
-    """Hugging Face publishes a top-level ``kernels`` package that transformers imports;
-    our folder must not shadow it. Run from a neutral folder so the repository root is
-    not on sys.path by accident (as it is under ``python -m pytest``)."""
-    code = (
-        "import importlib.util, pathlib, sys\n"
-        "import minivllm.kernels as k\n"
-        "print(pathlib.Path(k.__file__).resolve().parent)\n"
-        "s = importlib.util.find_spec('kernels')\n"
-        "print(pathlib.Path(s.origin).resolve().parent if s and s.origin else None)\n"
-    )
-    child_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        env=child_env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
-    assert Path(out[0]) == ROOT / "kernels", "minivllm.kernels must map to the kernels/ folder"
-    # A `kernels` from elsewhere (Hugging Face's) may be installed; ours must not be it.
-    assert out[1] != str(ROOT / "kernels"), "kernels/ is importable as a top-level package"
-
-
-def test_kernels_folder_steps_aside_when_started_in_the_repository_root(tmp_path: Path) -> None:
-    """``python -c`` (or ``-m``) started in the repository root puts the root first on
-    sys.path, so ``import kernels`` finds our folder before an installed ``kernels``
-    (transformers >= 5.25 imports Hugging Face's and fails on ours). The folder must hand
-    the name over to the installed package. A stand-in with the name Hugging Face's
-    exports plays it here, so the check does not depend on what pip resolved."""
+def test_kernels_live_in_the_package_and_never_shadow_hugging_faces(tmp_path: Path) -> None:
+    """Hugging Face publishes a top-level ``kernels`` package that transformers (>= 5.25)
+    imports. ``python -c`` (or ``-m``) started in the repository root puts the root first on
+    sys.path, so a top-level ``kernels/`` folder there would be found first; ours lives in
+    ``minivllm/kernels/``. A stand-in with the name Hugging Face's exports plays the
+    installed one, so the check does not depend on what pip resolved."""
+    assert not (ROOT / "kernels").exists(), "a top-level kernels/ shadows Hugging Face's"
     site = tmp_path / "site"
     (site / "kernels").mkdir(parents=True)
     (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'installed'\n")
@@ -182,16 +158,16 @@ def test_kernels_folder_steps_aside_when_started_in_the_repository_root(tmp_path
         "print(sys.path[0] == '')\n"
         "from kernels import CUDAProperties\n"
         "import kernels, minivllm.kernels\n"
-        "print(CUDAProperties, kernels.__file__, minivllm.kernels.__name__)\n"
+        "print(CUDAProperties, kernels.__file__, minivllm.kernels.__file__)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
     lines = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout.split("\n")
     assert lines[0] == "True", "the repository root (as '') must come first on sys.path"
     value, origin, ours = lines[1].split()
     assert value == "installed" and Path(origin) == site / "kernels" / "__init__.py"
-    assert ours == "minivllm.kernels"
+    assert Path(ours) == ROOT / "minivllm" / "kernels" / "__init__.py"
 
 
 def readme_section(title: str) -> str:
@@ -243,7 +219,7 @@ from minivllm import install  # noqa: E402  (standard library only; safe to impo
 
 
 def test_model_wheel_pin_agrees_with_the_loader_and_installer() -> None:
-    from minivllm.model_loader import DEFAULT_MODEL, EMBEDDED_MODELS
+    from minivllm.worker.model_loader import DEFAULT_MODEL, EMBEDDED_MODELS
 
     assert install.MODEL_SPEC == MODEL_SPEC == EMBEDDED_MODELS[DEFAULT_MODEL][0]
 
@@ -257,11 +233,9 @@ def test_every_subpackage_is_listed_for_the_wheel(pyproject: dict) -> None:
     """[tool.setuptools] packages is an explicit list: a package folder missing from it
     installs fine in editable mode and is silently left out of a wheel."""
     setuptools = pyproject["tool"]["setuptools"]
-    mapped = setuptools.get("package-dir", {})  # e.g. minivllm.kernels lives in kernels/
     on_disk = {".".join(p.parent.relative_to(ROOT).parts)
                for p in (ROOT / "minivllm").rglob("__init__.py")}
-    on_disk |= {name for name, folder in mapped.items() if (ROOT / folder / "__init__.py").is_file()}
-    assert "minivllm.spec_decode" in on_disk
+    assert {"minivllm.spec_decode", "minivllm.kernels", "minivllm.entrypoints.openai"} <= on_disk
     assert set(setuptools["packages"]) == on_disk
 
 

@@ -1,6 +1,6 @@
 """Parallel sampling (``SamplingParams.n > 1``, issue 20): one prompt, n completions.
 
-The parent request is fanned out into n child requests (``minivllm.parallel_sampling``);
+The parent request is fanned out into n child requests (``minivllm.engine.parallel_sampling``);
 child ``i`` samples with ``seed + i`` when the parent has a seed (vLLM's rule), so it must
 give exactly what a request of its own with that seed gives; greedy children must all
 give transformers' greedy continuation. The children share the prompt's full KV blocks
@@ -16,9 +16,9 @@ import pytest
 from helpers import all_blocks_free, hf_greedy
 
 from minivllm import LLM, SamplingParams
-from minivllm.async_engine import AsyncLLMEngine
+from minivllm.engine.async_llm import AsyncLLMEngine
 from minivllm.exceptions import ValidationError
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
 BLOCK = 4
@@ -199,7 +199,7 @@ def test_async_engine_streams_all_children_and_abort_frees_them(llm):
 def server():
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from minivllm.server import ServerThread, build_app
+    from minivllm.entrypoints.openai.api_server import ServerThread, build_app
 
     with ServerThread(build_app(api_key="k", log_stats_interval=None)) as s:
         deadline = time.monotonic() + 120

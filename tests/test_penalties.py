@@ -21,8 +21,8 @@ from transformers import GenerationConfig
 from minivllm import LLM, SamplingParams
 from minivllm.exceptions import ValidationError
 from minivllm.metrics import Counter
-from minivllm.model_loader import make_tiny_model
-from minivllm.sampler import Sampler, apply_logits_processors, apply_min_p, target_probs
+from minivllm.sample.sampler import Sampler, apply_logits_processors, apply_min_p, target_probs
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
 
@@ -292,7 +292,7 @@ openai = pytest.importorskip("openai")
 @pytest.fixture(scope="module")
 def served():
     """(OpenAI client, offline references computed before the server owns the engine)."""
-    from minivllm.server import ServerThread, build_app
+    from minivllm.entrypoints.openai.api_server import ServerThread, build_app
 
     llm = tiny_chat_llm(max_model_len=256)
     chat = [{"role": "user", "content": "Tell me a story."}]

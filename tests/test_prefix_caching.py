@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from minivllm import LLM
 from minivllm.core.block_pool import hash_block_tokens
-from minivllm.model_loader import make_tiny_model
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
 
@@ -245,8 +245,8 @@ def test_reset_prefix_cache_is_a_development_endpoint(monkeypatch):
     from prometheus_client.parser import text_string_to_metric_families
     from tiny_chat import tiny_chat_llm
 
+    from minivllm.entrypoints.openai.api_server import ServerThread, build_app
     from minivllm.exceptions import ValidationError
-    from minivllm.server import ServerThread, build_app
 
     llm = tiny_chat_llm()
     body = {"prompt": list(range(100, 140)), "max_tokens": 2, "ignore_eos": True}  # 2 full blocks

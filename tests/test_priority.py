@@ -13,7 +13,7 @@ from tiny_chat import tiny_chat_llm
 
 from minivllm import LLM
 from minivllm.exceptions import ValidationError
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
 
@@ -79,7 +79,7 @@ def test_priority_is_refused_under_fcfs_and_checked(tiny):
 # -- the server (in-process engine, the official client) --------------------------------------
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
@@ -120,8 +120,9 @@ def test_admitted_ahead_counts_the_batch_requests_that_went_before_a_waiting_cha
     import dataclasses
 
     from minivllm.bench.priority import admitted_ahead, priority_workload, request_group
-    from minivllm.replay import replay_workload
-    from minivllm.simulator import CostModel, make_simulated_engine
+    from minivllm.sim.cost_model import CostModel
+    from minivllm.sim.replay import replay_workload
+    from minivllm.sim.simulator import make_simulated_engine
 
     w = priority_workload(None, num_batch=8, num_interactive=4, interactive_rate=2.0, seed=0,
                           batch_prompt_len=(100, 200), batch_output_len=(16, 32),

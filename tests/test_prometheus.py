@@ -1,4 +1,4 @@
-"""minivllm.prometheus turns the engine's metric records into Prometheus' text format,
+"""minivllm.entrypoints.openai.prometheus turns the engine's metric records into Prometheus' text format,
 without a server: parsed back with prometheus_client's own parser."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from minivllm.entrypoints.openai.prometheus import render_metrics
 from minivllm.metrics import Counter, Gauge, Histogram
-from minivllm.prometheus import render_metrics
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:

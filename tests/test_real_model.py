@@ -8,8 +8,9 @@ import time
 import pytest
 from helpers import all_blocks_free, greedy, hf_greedy, run_engine
 
-from minivllm import LLM, SamplingParams, model_loader
-from minivllm.model_loader import DEFAULT_MODEL, load_model, make_tiny_model
+from minivllm import LLM, SamplingParams
+from minivllm.worker import model_loader
+from minivllm.worker.model_loader import DEFAULT_MODEL, load_model, make_tiny_model
 
 pytestmark = pytest.mark.real_model
 

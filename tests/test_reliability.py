@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from tiny_chat import CANARY_PROMPT, canary, deadline, tiny_chat_llm
 
 from minivllm import LLM, SamplingParams
-from minivllm.model_loader import make_tiny_model
-from minivllm.sampler import Sampler
+from minivllm.sample.sampler import Sampler
+from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
 NAN, INF = float("nan"), float("inf")

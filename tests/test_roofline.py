@@ -16,9 +16,9 @@ from minivllm.bench.roofline import (
     plot_roofline,
     roofline_benchmark,
 )
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.model_loader import make_tiny_model
-from minivllm.workload import make_workload
+from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.sim.workload import make_workload
+from minivllm.worker.model_loader import make_tiny_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -1,7 +1,7 @@
 """The router in front of real replicas, over loopback HTTP (notebook 14).
 
 The replicas are real ``minivllm serve`` processes (started by
-:class:`~minivllm.data_parallel.LocalReplicas`, what ``serve --data-parallel-size`` uses) over a
+:class:`~minivllm.entrypoints.data_parallel.LocalReplicas`, what ``serve --data-parallel-size`` uses) over a
 tiny random Llama saved with SmolLM2's tokenizer and chat template: real templating,
 real prefix caches, millisecond steps. Where a request goes is read from the replicas'
 own ``/metrics`` (their HTTP and prefix-cache counters), not from the router; the
@@ -24,9 +24,9 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from tiny_chat import deadline  # noqa: E402
 
-from minivllm.data_parallel import LocalReplicas, free_port  # noqa: E402
-from minivllm.router import build_router_app, load_tokenizer  # noqa: E402
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.data_parallel import LocalReplicas, free_port  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.router import build_router_app, load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,7 +41,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from minivllm.model_loader import make_tiny_model, resolve_model_dir
+    from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
@@ -315,7 +315,7 @@ def _gone(pid: int) -> bool:
 def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp_path, stop, log_level):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-c", "import sys; from minivllm.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from minivllm.entrypoints.cli import main; sys.exit(main())", "serve",
            "--data-parallel-size", "2", "--routing-policy", "prefix_aware", "--model", tiny_dir,
            "--port", str(port), "--uvicorn-log-level", log_level, *SERVE_ARGS]
     log = tmp_path / "serve.log"
@@ -356,7 +356,7 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp
 # -- the benchmark ---------------------------------------------------------------------------
 def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
     from minivllm.bench.router import format_router_table, router_benchmark
-    from minivllm.workload import document_workload
+    from minivllm.sim.workload import document_workload
 
     workload = document_workload(None, num_documents=2, questions_per_document=3, document_len=96,
                                  output_len=4, vocab_size=1000)
@@ -372,9 +372,9 @@ def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
 
 # -- options ---------------------------------------------------------------------------------
 def test_router_options_are_checked_and_urls_normalised():
-    from minivllm.data_parallel import engine_argv
+    from minivllm.entrypoints.data_parallel import engine_argv
+    from minivllm.entrypoints.router import normalize_url
     from minivllm.exceptions import ValidationError
-    from minivllm.router import normalize_url
 
     assert normalize_url("10.0.0.2:8000/v1/") == "http://10.0.0.2:8000"
     assert normalize_url("https://host/") == "https://host"

@@ -1,10 +1,10 @@
-"""Routing policies (minivllm.routing): what each one chooses, on hand-made replicas."""
+"""Routing policies (minivllm.entrypoints.routing): what each one chooses, on hand-made replicas."""
 
 from __future__ import annotations
 
 import pytest
 
-from minivllm.routing import (
+from minivllm.entrypoints.routing import (
     NoReplicaAvailable,
     PrefixAware,
     ReplicaState,
@@ -99,8 +99,8 @@ def test_prefix_aware_memory_is_bounded():
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "2"])
 def test_the_router_refuses_a_health_interval_that_is_not_a_positive_number(bad):
+    from minivllm.entrypoints.router import Router
     from minivllm.exceptions import ValidationError
-    from minivllm.router import Router
 
     with pytest.raises(ValidationError, match="health_interval must be a number of seconds > 0"):
         Router(["http://127.0.0.1:1"], make_policy("round_robin"), health_interval=bad)

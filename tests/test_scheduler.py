@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.scheduler import Scheduler
-from minivllm.model_runner import ModelRunnerOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 
 def make_scheduler(components, num_blocks=1000, block_size=16, budget=1024, max_num_seqs=64,
@@ -281,8 +281,8 @@ def test_the_victim_may_be_one_that_already_ran_this_step():
 
 
 def test_a_priority_other_than_zero_needs_the_priority_policy():
+    from minivllm.engine.processor import check_priority
     from minivllm.exceptions import ValidationError
-    from minivllm.processor import check_priority
 
     assert check_priority(0, "fcfs") == 0 and check_priority(-3, "priority") == -3
     with pytest.raises(ValidationError, match="priority scheduling is not enabled") as e:

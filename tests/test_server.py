@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 

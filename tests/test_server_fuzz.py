@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

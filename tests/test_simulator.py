@@ -2,21 +2,18 @@
 
 import pytest
 
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.model_loader import make_tiny_model
-from minivllm.replay import replay_workload
-from minivllm.simulator import (
-    FEATURES,
-    CostModel,
+from minivllm.engine.llm_engine import EngineConfig, LLMEngine
+from minivllm.sim.cost_model import FEATURES, CostModel, fit_cost_model, step_features
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.simulator import (
     SimulatedModelRunner,
     VirtualClock,
-    fit_cost_model,
     make_simulated_engine,
     simulate,
-    step_features,
 )
+from minivllm.sim.workload import iter_workload, make_workload
 from minivllm.trace import ScheduledChunk, StepRecord, Trace
-from minivllm.workload import iter_workload, make_workload
+from minivllm.worker.model_loader import make_tiny_model
 
 COST = CostModel(
     {"const": 0.01, "prefill_tokens": 1e-3, "decode_requests": 2e-3, "decode_context": 1e-5,
@@ -89,7 +86,7 @@ def test_simulated_runner_advances_the_virtual_clock():
 def test_shipped_cost_model_loads():
     from importlib import resources
 
-    from minivllm.simulator import DEFAULT_COST_MODEL
+    from minivllm.sim.cost_model import DEFAULT_COST_MODEL
 
     if not resources.files("minivllm").joinpath("data", DEFAULT_COST_MODEL).is_file():
         pytest.skip("no fitted cost model yet: run `python -m minivllm.bench fit-simulator`")

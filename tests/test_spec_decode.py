@@ -19,16 +19,16 @@ from scipy.stats import chisquare
 from tiny_chat import tiny_chat_llm
 
 from minivllm import LLM, EngineConfig, SamplingParams, viz
-from minivllm.arg_utils import add_engine_arguments, engine_kwargs
 from minivllm.core.kv_cache_manager import cdiv
-from minivllm.engine import LLMEngine
+from minivllm.engine.arg_utils import add_engine_arguments, engine_kwargs
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.exceptions import ValidationError
 from minivllm.metrics import Counter, LoggingStatLogger
-from minivllm.model_loader import TINY_ARCHS, make_tiny_model
-from minivllm.model_runner import ModelRunnerOutput
 from minivllm.spec_decode.draft_length import EXPLORE_EVERY, AdaptiveDraftLength, band
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import RejectionSampler
+from minivllm.worker.model_loader import TINY_ARCHS, make_tiny_model
+from minivllm.worker.model_runner import ModelRunnerOutput
 
 VOCAB = 64
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,

@@ -21,8 +21,8 @@ from tiny_chat import tiny_chat_llm
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.exceptions import ValidationError
-from minivllm.model_loader import make_tiny_model
-from minivllm.sampler import apply_logits_processors
+from minivllm.sample.sampler import apply_logits_processors
+from minivllm.worker.model_loader import make_tiny_model
 
 pytest.importorskip("xgrammar")  # the "structured" extra; `make test` installs it (dev)
 
@@ -264,7 +264,7 @@ def server(llm, tmp_path_factory):
     wire."""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from minivllm.server import ServerThread, build_app
+    from minivllm.entrypoints.openai.api_server import ServerThread, build_app
 
     folder = tmp_path_factory.mktemp("tiny-chat")
     llm.llm_engine.model.save_pretrained(folder)

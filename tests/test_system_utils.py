@@ -1,4 +1,4 @@
-"""How the engine core and tensor-parallel workers are started (minivllm/system_utils.py).
+"""How the engine core and tensor-parallel workers are started (minivllm/utils/system_utils.py).
 
 The orphan tests (test_engine_core, test_tensor_parallel) cover the other half: a child
 notices that its parent has gone."""
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from minivllm.system_utils import PRELOAD, get_mp_context, with_environment
+from minivllm.utils.system_utils import PRELOAD, get_mp_context, with_environment
 
 pytestmark = pytest.mark.multiprocess
 

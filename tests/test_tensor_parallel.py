@@ -18,7 +18,7 @@ from helpers import hf_greedy, random_workload, run_engine
 
 from minivllm import LLM, EngineConfig
 from minivllm.exceptions import ValidationError
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 pytestmark = pytest.mark.multiprocess
 
@@ -125,7 +125,7 @@ def test_two_engines_at_once_then_garbage_collection_and_a_failed_step_end_the_w
 PARENT = """
 import os, signal
 from minivllm import LLM, SamplingParams
-from minivllm.model_loader import make_tiny_model
+from minivllm.worker.model_loader import make_tiny_model
 
 if __name__ == "__main__":
     llm = LLM(make_tiny_model("llama", num_attention_heads=4, num_key_value_heads=2),
@@ -163,7 +163,7 @@ def test_workers_end_when_the_engine_process_is_killed_or_interrupted(tmp_path, 
 @pytest.mark.real_model
 def test_smollm2_with_three_ranks_is_token_identical_to_one():
     """SmolLM2-135M: 9 query heads and 3 KV heads, so 3 query heads and 1 KV head per rank."""
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     model, tokenizer = load_model()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
@@ -178,7 +178,7 @@ def test_smollm2_with_three_ranks_is_token_identical_to_one():
 
 
 def test_the_command_line_takes_tensor_parallel_size():
-    from minivllm.cli import build_parser
+    from minivllm.entrypoints.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["serve", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3

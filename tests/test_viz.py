@@ -16,8 +16,8 @@ from matplotlib.legend import Legend
 
 from minivllm import LLM, SamplingParams, viz
 from minivllm.metrics import percentile
-from minivllm.model_loader import make_tiny_model
 from minivllm.viz import style
+from minivllm.worker.model_loader import make_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -451,7 +451,7 @@ def test_process_split_draws_both_processes_and_each_message():
     heads = {gid: a.xy[0] > a.xyann[0] for gid, a in arrows.items()}
     assert heads == {"message:AddRequest": True, "message:Abort": True, "message:FinishRequests": True,
                      "message:StepOutputs": False}
-    for path in ("minivllm/engine_core_proc.py", "minivllm/mp_client.py", "minivllm/server.py"):
+    for path in ("minivllm/engine/core_proc.py", "minivllm/engine/mp_client.py", "minivllm/entrypoints/openai/api_server.py"):
         assert any(path in t.get_text() for t in ax.texts) and (root / path).exists()
 
 
@@ -575,7 +575,7 @@ def test_figures_draw_inside_their_own_size(name, tiny_model):
 def test_the_sweep_and_rate_figures_keep_their_keys_off_the_data():
     """Lines that run into every corner: the keys go under the panels, covering nothing."""
     from minivllm.bench.latency import LatencyPoint, plot_latency_vs_rate
-    from minivllm.cluster_simulator import SweepRow
+    from minivllm.sim.cluster_simulator import SweepRow
 
     rows = [SweepRow(policy=p, num_replicas=n, num_requests=8, hit_rate=h, mean_ttft=m * scale,
                      p50_ttft=m * scale, p99_ttft=q * scale, throughput=1.0, min_requests=1, max_requests=2,
@@ -594,7 +594,8 @@ def test_the_sweep_and_rate_figures_keep_their_keys_off_the_data():
 def test_the_simulated_times_note_sits_under_the_last_row(plot):
     """A simulated trace's timeline names its cost model in a corner note: the note is
     drawn below the last request's bar, not over it (notebook 09's two timelines)."""
-    from minivllm.simulator import CostModel, make_simulated_engine
+    from minivllm.sim.cost_model import CostModel
+    from minivllm.sim.simulator import make_simulated_engine
 
     engine = make_simulated_engine(CostModel.load(), max_num_seqs=4)
     for i in range(12):  # twelve requests at once: the last ones end last, at the right

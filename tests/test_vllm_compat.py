@@ -20,8 +20,8 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from minivllm import LLM  # noqa: E402
-from minivllm.protocol import IGNORED_FIELDS_HEADER  # noqa: E402
-from minivllm.server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.openai.base_protocol import IGNORED_FIELDS_HEADER  # noqa: E402
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 TIMEOUT = 60.0
@@ -58,7 +58,7 @@ def tiny_dir(tmp_path_factory) -> str:
     """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
 
-    from minivllm.model_loader import make_tiny_model, resolve_model_dir
+    from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))

@@ -31,7 +31,7 @@ INSTALL = ROOT / "minivllm" / "install.py"
 GENERATE = """
 import json, minivllm, torch
 from minivllm import LLM, SamplingParams
-from minivllm.model_loader import find_gguf
+from minivllm.worker.model_loader import find_gguf
 llm = LLM(log_stats_interval=None)
 out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=6),
                    use_tqdm=False)[0].outputs[0]
@@ -164,8 +164,8 @@ def test_offline_install_from_wheelhouse(tmp_path: Path) -> None:
 
 @pytest.mark.real_model
 def test_warmup_converts_once_then_reuses_the_cache(tmp_path: Path, monkeypatch, capsys) -> None:
-    from minivllm.cli import main
-    from minivllm.warmup import warmup
+    from minivllm.entrypoints.cli import main
+    from minivllm.worker.warmup import warmup
 
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     lines: list[str] = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.workload import chat_workload, corpus_documents, make_workload, summarize
+from minivllm.sim.workload import chat_workload, corpus_documents, make_workload, summarize
 
 
 def test_same_seed_same_workload_other_seed_other():
@@ -98,7 +98,7 @@ def test_chat_workload_is_chat_templated_and_deterministic(tokenizer):
 
 
 def test_document_workload_groups_share_their_document_prefix():
-    from minivllm.workload import document_workload
+    from minivllm.sim.workload import document_workload
 
     w = document_workload(None, num_documents=3, questions_per_document=4, document_len=32, rate=2.0)
     assert len(w) == 12 and len({r.request_id for r in w}) == 12

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
-from minivllm.model_loader import make_tiny_model, resolve_model_dir
+from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
 
 CANARY_PROMPT = "The capital of France is"
 CANARY_PARAMS = dict(temperature=0.0, max_tokens=8, ignore_eos=True)

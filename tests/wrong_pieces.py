@@ -9,12 +9,12 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention import TorchAttentionBackend
 from minivllm.core.block_pool import BlockPool, hash_block_tokens
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import Scheduler
 from minivllm.kernels.reference import gather_kv
-from minivllm.sampler import Sampler
+from minivllm.sample.sampler import Sampler
+from minivllm.worker.attention import TorchAttentionBackend
 
 
 class LifoBlockPool(BlockPool):

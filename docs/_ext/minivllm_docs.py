@@ -11,7 +11,7 @@ Three things, each small:
   widget output is replaced by exactly those stored outputs, with a line naming the
   controls a reader can move in JupyterLab. The notebook file is not touched; a widget
   output without stored state fails the build instead of becoming an empty box.
-- ``{source}`minivllm.engine``: a link to the highlighted source of a module (the page
+- ``{source}`minivllm.engine.llm_engine``: a link to the highlighted source of a module (the page
   ``sphinx.ext.viewcode`` writes), checked to exist when the build finishes.
 - ``.. minivllm-modules::``: an ``automodule`` for every module of the package, found
   by walking it, so the reference follows the code when modules are added, split or
@@ -141,9 +141,9 @@ def _on_include_read(app: Sphinx, relative_path, parent_docname: str, content: l
 #
 # viewcode remembers, per source module, the name of the *first* module that documented
 # something from it, and builds every "[docs]" link on that module's highlighted source
-# from it. Here one source module is documented under two names: minivllm.engine's
+# from it. Here one source module is documented under two names: minivllm.engine.llm_engine's
 # LLMEngine as ``minivllm.LLMEngine`` on the API page, its other functions as
-# ``minivllm.engine.resolve_device`` on the Modules page. The links for the second kind
+# ``minivllm.engine.llm_engine.resolve_device`` on the Modules page. The links for the second kind
 # would point at ``#minivllm.resolve_device``, which no page has.
 
 
@@ -194,7 +194,7 @@ def _source_page(module: str) -> str:
 
 
 def source_role(name, rawtext, text, lineno, inliner, options=None, content=None):
-    """``{source}`minivllm.engine``: link to the module's highlighted source page."""
+    """``{source}`minivllm.engine.llm_engine``: link to the module's highlighted source page."""
     env = inliner.document.settings.env
     module = text.strip()
     try:
@@ -231,8 +231,7 @@ def _merge_source_links(app, env, docnames, other) -> None:
 
 def package_modules(root: Path) -> list[str]:
     """Every module that ``pip install`` installs: the packages pyproject.toml lists under
-    ``[tool.setuptools] packages`` (``minivllm.kernels`` lives in ``kernels/``, which a
-    walk of ``minivllm/`` would miss) and the modules in each, sorted by name. A
+    ``[tool.setuptools] packages`` and the modules in each, sorted by name. A
     package's ``__main__`` is left out: importing it runs the program."""
     with open(root / "pyproject.toml", "rb") as f:
         packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
@@ -379,7 +378,7 @@ def _getattr_path(obj, parts: list[str]):
 
 
 def _public_name(full: str) -> str:
-    """``minivllm.engine.LLMEngine.step`` -> ``minivllm.LLMEngine.step``: the API page
+    """``minivllm.engine.llm_engine.LLMEngine.step`` -> ``minivllm.LLMEngine.step``: the API page
     documents the names of ``minivllm.__all__`` under their public name."""
     import minivllm
 
@@ -393,7 +392,7 @@ def _public_name(full: str) -> str:
 
 def _on_missing_reference(app, env, node, contnode):
     """Resolve a name as Python would from the docstring's module (a docstring in
-    ``minivllm.simulator`` that says :class:`LLMEngine` means the class it imports); a
+    ``minivllm.sim.simulator`` that says :class:`LLMEngine` means the class it imports); a
     name that module does not know, by the one documented minivllm object of that name
     (:class:`ModelRunner`), if there is exactly one."""
     if node.get("refdomain") != "py":

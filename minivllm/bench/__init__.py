@@ -23,7 +23,7 @@ mode, as in vLLM's ``vllm/benchmarks/``:
 - ``roofline`` (:mod:`.roofline`): the machine's float32 GEMM peak and memory bandwidth,
   then the engine's prefill, decode and workload FLOP/s against them (notebook 11).
 - ``simulate`` and ``fit-simulator`` (:mod:`.simulate`): the simulator on a long
-  workload, and fitting its cost model (:mod:`minivllm.simulator_fit`).
+  workload, and fitting its cost model (:mod:`minivllm.sim.simulator_fit`).
 
 Plot functions take a result and an optional Axes and return the Figure; they never run
 anything. The names below are the ones notebooks and tests import from
@@ -62,8 +62,8 @@ from minivllm.bench.tools import (
     run_hf_static,
     run_minivllm,
 )
-from minivllm.replay import ReplayResult, replay_workload
-from minivllm.simulator_fit import fit_simulator, plot_cost_model_fit
+from minivllm.sim.replay import ReplayResult, replay_workload
+from minivllm.sim.simulator_fit import fit_simulator, plot_cost_model_fit
 
 __all__ = [
     "TOOLS", "TOOL_LABELS", "ToolResult", "ThroughputReport", "ReplayResult", "LatencyPoint",

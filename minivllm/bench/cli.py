@@ -13,7 +13,6 @@ import argparse
 import logging
 from collections.abc import Callable
 
-from minivllm.arg_utils import add_engine_arguments
 from minivllm.bench import (
     cluster,
     latency,
@@ -31,7 +30,8 @@ from minivllm.bench import (
 )
 from minivllm.bench.common import ENGINE_SETTINGS, FIGURES
 from minivllm.bench.tools import TOOLS
-from minivllm.routing import ROUTING_POLICIES
+from minivllm.engine.arg_utils import add_engine_arguments
+from minivllm.entrypoints.routing import ROUTING_POLICIES
 
 ENGINE = ENGINE_SETTINGS  # --block-size, --max-num-batched-tokens, --max-num-seqs
 

@@ -1,13 +1,13 @@
 """``minivllm bench simulate-cluster``: the simulated scale-out, replicas x routing policies.
 
 Each run serves the same kind of traffic: many documents, several questions about each
-(:func:`~minivllm.workload.document_workload`, interleaved), with Poisson arrivals at
+(:func:`~minivllm.sim.workload.document_workload`, interleaved), with Poisson arrivals at
 ``--rate-per-replica`` times the number of replicas, so every replica sees the same load
 whatever the cluster's size. For each replica count of ``--cluster-replicas`` and each
 policy of ``--cluster-policies`` it prints the cluster's prefix-cache hit rate, mean and
 p99 time to first token, throughput and the balance (fewest and most requests on one
 replica), and draws :func:`minivllm.viz.plot_cluster_sweep`. The times are simulated
-(:mod:`minivllm.cluster_simulator`), so 64 replicas take seconds of this machine's time.
+(:mod:`minivllm.sim.cluster_simulator`), so 64 replicas take seconds of this machine's time.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import argparse
 import logging
 
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
-from minivllm.cluster_simulator import ClusterResult, SweepRow, sweep
-from minivllm.routing import ROUTING_POLICIES
-from minivllm.simulator import CostModel
-from minivllm.workload import document_workload
+from minivllm.entrypoints.routing import ROUTING_POLICIES
+from minivllm.sim.cluster_simulator import ClusterResult, SweepRow, sweep
+from minivllm.sim.cost_model import CostModel
+from minivllm.sim.workload import document_workload
 
 DEFAULT_REQUESTS = 2000
 QUESTIONS_PER_DOCUMENT = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.worker.model_loader import DEFAULT_MODEL
 
 ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
 """The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
@@ -18,7 +18,7 @@ def load_tokenizer(model: str = DEFAULT_MODEL):
     """The tokenizer alone (no weights loaded), for building workloads."""
     from transformers import AutoTokenizer
 
-    from minivllm.model_loader import resolve_model_dir
+    from minivllm.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 

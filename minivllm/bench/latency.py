@@ -19,12 +19,12 @@ import numpy as np
 
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.metrics import percentile
 from minivllm.outputs import RequestOutput
-from minivllm.replay import replay_workload
-from minivllm.simulator import make_simulated_engine
-from minivllm.workload import WorkloadRequest, make_workload
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.simulator import make_simulated_engine
+from minivllm.sim.workload import WorkloadRequest, make_workload
 
 
 # -- latency against request rate ---------------------------------------------------------
@@ -74,7 +74,7 @@ def latency_benchmark(
     """For each rate, a workload of ``n`` requests with Poisson arrivals at that rate
     (same prompts and lengths at every rate; only the arrivals change), served by a fresh
     engine from ``make_engine`` (real: driven by the wall clock; simulated: by its virtual
-    clock, see :func:`minivllm.simulator.make_simulated_engine`)."""
+    clock, see :func:`minivllm.sim.simulator.make_simulated_engine`)."""
     points = []
     for rate in rates:
         engine = make_engine()

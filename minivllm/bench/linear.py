@@ -1,4 +1,4 @@
-"""Linear mode: the model's matrix products through each library ``minivllm.linear`` knows.
+"""Linear mode: the model's matrix products through each library ``minivllm.worker.linear`` knows.
 
 ``minivllm bench linear`` (notebook 11). Which library is fastest (``nn.Linear``, oneDNN,
 or ``(W @ x.T).T``) depends on the CPU and on the rows; ``linear_backend="auto"``
@@ -31,7 +31,12 @@ def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int 
     lowest median), ``"speed-up"`` (``nn.Linear``'s median over the fastest's) and
     ``"verdict"``: whether the fastest is clearly faster than its runner-up on this
     machine, or their spreads overlap (:func:`minivllm.bench.timing.compare`)."""
-    from minivllm.linear import LinearPlan, candidate_backends, plain_linears, planned_linear
+    from minivllm.worker.linear_plan import (
+        LinearPlan,
+        candidate_backends,
+        plain_linears,
+        planned_linear,
+    )
 
     output = model.get_output_embeddings()
     linears = [m for m in plain_linears(model) if m is not output]
@@ -64,7 +69,7 @@ def linear_benchmark(model, rows: Sequence[int] = (1, 4, 32, 512), repeats: int 
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench linear``: every decoder linear layer of the model, each library."""
     from minivllm.bench.timing import table
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     model, _ = load_model(args.model)
     print(f"every decoder linear layer once, weights from memory ({args.rounds} interleaved rounds after a "

@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Sequence
 
 from minivllm.bench.common import load_tokenizer, save_figure
-from minivllm.workload import WorkloadRequest, chat_workload
+from minivllm.sim.workload import WorkloadRequest, chat_workload
 
 
 def kv_slots_held(lengths: Sequence[int], block_size: int, max_model_len: int) -> dict[str, int]:

@@ -15,8 +15,8 @@ from minivllm.bench.common import engine_settings
 from minivllm.bench.timing import Timing, compare, rotated
 from minivllm.bench.tools import run_minivllm
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.workload import WorkloadRequest, chat_workload
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sim.workload import WorkloadRequest, chat_workload
 
 
 def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
@@ -64,7 +64,7 @@ def prefix_caching_benchmark(workload: Sequence[WorkloadRequest], model, tokeniz
 
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench prefix``: chat requests sharing a 256-token system prompt."""
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     model, tok = load_model(args.model)
     n = args.num_requests or 32

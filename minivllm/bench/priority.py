@@ -2,7 +2,7 @@
 
 ``minivllm bench priority`` (``scheduling_policy``, :mod:`minivllm.core.scheduler`)
 replays one workload twice on the same loaded model, offline, with arrival times
-(:func:`minivllm.replay.replay_workload`): once with ``scheduling_policy="fcfs"`` and
+(:func:`minivllm.sim.replay.replay_workload`): once with ``scheduling_policy="fcfs"`` and
 once with ``"priority"``.
 
 * The batch job: long prompts with long outputs, all arriving at time 0 (an evaluation
@@ -26,11 +26,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.metrics import percentile
-from minivllm.replay import replay_workload
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.workload import WorkloadRequest, chat_workload
 from minivllm.trace import Trace
-from minivllm.workload import WorkloadRequest, chat_workload
 
 INTERACTIVE, BATCH = "interactive", "batch"
 
@@ -96,7 +96,7 @@ def admitted_ahead(trace: Trace) -> dict[str, list[str]]:
     those are depends on how far the batch job got by then, on this machine.
 
     A request counts as added at step ``j`` once step ``j - 1`` ended after its arrival
-    time (:func:`~minivllm.replay.replay_workload` adds every request whose arrival time
+    time (:func:`~minivllm.sim.replay.replay_workload` adds every request whose arrival time
     has passed before it steps), so a step that merely began after the arrival time, the
     request not yet added, is never counted against the scheduler."""
     steps = list(trace.steps)  # the whole run: a trace cut to its last steps would miss admissions
@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
     import time
 
     from minivllm.bench.common import engine_settings
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     t = time.perf_counter()
     model, tok = load_model(args.model)

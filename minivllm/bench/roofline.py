@@ -39,12 +39,12 @@ import torch
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
 from minivllm.bench.timing import Timing
 from minivllm.bench.tools import run_minivllm
-from minivllm.engine import EngineConfig, LLMEngine
-from minivllm.linear import FORWARD, plain_linears
-from minivllm.model_runner import kv_cache_bytes_per_token, kv_cache_shape
+from minivllm.engine.llm_engine import EngineConfig, LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.sim.workload import chat_workload
 from minivllm.trace import StepRecord, Trace
-from minivllm.workload import chat_workload
+from minivllm.worker.linear_plan import FORWARD, plain_linears
+from minivllm.worker.model_runner import kv_cache_bytes_per_token, kv_cache_shape
 
 
 @dataclass(frozen=True)
@@ -265,7 +265,7 @@ def roofline_benchmark(engine: LLMEngine, workload=None, gemm_seconds: float = 0
     The ceilings are the best of both measurements: a machine shared with other programs
     is slower some of the time, and a fraction of a ceiling measured in a slow moment
     would flatter the engine."""
-    from minivllm.linear import cpu_description
+    from minivllm.worker.linear_autotune import cpu_description
 
     cost = ModelCost.from_model(engine.model)
     gemm = gemm_peak(engine.model, seconds=gemm_seconds)

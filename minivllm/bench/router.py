@@ -1,8 +1,8 @@
 """Router mode: which replica a request lands on decides the prefix-cache hit rate.
 
 ``minivllm bench router`` starts two ``minivllm serve`` replicas (processes, each its own
-engine and prefix cache, one CPU thread each) and the router of :mod:`minivllm.router` in
-front of them, and sends :func:`~minivllm.workload.document_workload` through it: groups
+engine and prefix cache, one CPU thread each) and the router of :mod:`minivllm.entrypoints.router` in
+front of them, and sends :func:`~minivllm.sim.workload.document_workload` through it: groups
 of questions over a shared long document, interleaved, as completions of token ids (the
 chat template already applied), greedy with ``ignore_eos``. It does so once per routing
 policy, on the same replicas, emptying their prefix caches before each policy
@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from minivllm.bench.priority import format_priority_table
 from minivllm.bench.serve import stream_completion
-from minivllm.routing import ROUTING_POLICIES
-from minivllm.workload import WorkloadRequest
+from minivllm.entrypoints.routing import ROUTING_POLICIES
+from minivllm.sim.workload import WorkloadRequest
 
 
 async def _one(http, req: WorkloadRequest) -> tuple[float, str, int]:
@@ -82,9 +82,9 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
     replicas load the model once."""
     import httpx
 
-    from minivllm.data_parallel import LocalReplicas
-    from minivllm.router import build_router_app
-    from minivllm.server import ServerThread
+    from minivllm.entrypoints.data_parallel import LocalReplicas
+    from minivllm.entrypoints.openai.api_server import ServerThread
+    from minivllm.entrypoints.router import build_router_app
 
     rows, first = [], None
     argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
@@ -123,7 +123,7 @@ def format_router_table(rows: Sequence[dict]) -> str:
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench router``: document_workload through 2 replicas, once per policy."""
     from minivllm.bench.common import load_tokenizer
-    from minivllm.workload import document_workload
+    from minivllm.sim.workload import document_workload
 
     t = time.perf_counter()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the replicas share the cores: one each

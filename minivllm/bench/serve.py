@@ -176,7 +176,7 @@ def start_server(engine_process: bool, settings: dict, timeout: float = 300) -> 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
-    cmd = [sys.executable, "-m", "minivllm.cli", "serve", f"--port={port}",
+    cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", f"--port={port}",
            "--engine-process" if engine_process else "--no-engine-process",
            "--log-stats-interval=0", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

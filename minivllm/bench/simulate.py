@@ -4,7 +4,7 @@
 shipped cost model, to show that the real scheduler and block manager keep every
 invariant over thousands of requests and that memory stays flat.
 ``minivllm bench fit-simulator`` measures the real engine and fits a new cost model
-(:mod:`minivllm.simulator_fit`); ``minivllm bench calibrate`` does a short fit for this
+(:mod:`minivllm.sim.simulator_fit`); ``minivllm bench calibrate`` does a short fit for this
 machine and caches it, so later simulations use it. Notebook 09 explains them.
 """
 
@@ -15,12 +15,18 @@ import shlex
 import sys
 from pathlib import Path
 
-from minivllm import simulator
+import minivllm
 from minivllm.bench.common import engine_settings, load_tokenizer, save_figure
 from minivllm.metrics import percentile
-from minivllm.simulator import SimulationResult, simulate
-from minivllm.simulator_fit import CalibrationError, calibrate, fit_simulator, plot_cost_model_fit
-from minivllm.workload import iter_workload
+from minivllm.sim.cost_model import DEFAULT_COST_MODEL
+from minivllm.sim.simulator import SimulationResult, simulate
+from minivllm.sim.simulator_fit import (
+    CalibrationError,
+    calibrate,
+    fit_simulator,
+    plot_cost_model_fit,
+)
+from minivllm.sim.workload import iter_workload
 
 
 def format_simulation(res: SimulationResult) -> str:
@@ -48,7 +54,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 def fit_main(args: argparse.Namespace) -> int:
     """``minivllm bench fit-simulator``: fit, check, save (by default over the shipped model)."""
     command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    out = args.out or str(Path(simulator.__file__).parent / "data" / simulator.DEFAULT_COST_MODEL)
+    out = args.out or str(Path(minivllm.__file__).parent / "data" / DEFAULT_COST_MODEL)
     res = fit_simulator(args.model, n=args.num_requests or 32, out_path=out,
                         command=command or "python -m minivllm.bench fit-simulator")
     cm = res["cost_model"]

@@ -5,7 +5,7 @@ serves two workloads with ``num_speculative_tokens`` k in {0, 2, 4, 8}, at batch
 request at a time: ``max_num_seqs=1``) and with 32 requests at once:
 
 * copy: "repeat this text" over standard-library documentation, where most drafts are
-  right (``minivllm.workload.copy_workload``);
+  right (``minivllm.sim.workload.copy_workload``);
 * chat: the standard chat workload (summarize, explain...), where few are.
 
 Besides fixed k, two rows let the engine turn speculation down by itself under load:
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 from minivllm.bench.tools import run_minivllm
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.workload import WorkloadRequest, chat_workload, copy_workload
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sim.workload import WorkloadRequest, chat_workload, copy_workload
 
 
 def ngram(k: int, **extra) -> dict:
@@ -84,7 +84,7 @@ def speculative_benchmark(workload: Sequence[WorkloadRequest], model, tokenizer,
 
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench speculative``: copy and chat workloads, batch 1 and 32 at once."""
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     ks = [int(k) if k.strip().isdigit() else k.strip() for k in args.spec_rows.split(",") if k.strip()]
     unknown = [k for k in ks if k not in SETTINGS]

@@ -31,8 +31,8 @@ import torch
 
 from minivllm.bench.common import load_tokenizer
 from minivllm.distributed.parallel_state import measure_all_reduce
-from minivllm.model_loader import DEFAULT_MODEL, make_tiny_model
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.model_loader import DEFAULT_MODEL, make_tiny_model
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",

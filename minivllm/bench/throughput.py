@@ -37,10 +37,10 @@ from minivllm.bench.tools import (
     run_minivllm,
 )
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.model_loader import DEFAULT_MODEL
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sim.workload import WorkloadRequest, chat_workload, make_workload, summarize
 from minivllm.trace import Trace
-from minivllm.workload import WorkloadRequest, chat_workload, make_workload, summarize
+from minivllm.worker.model_loader import DEFAULT_MODEL
 
 logger = logging.getLogger("minivllm")
 
@@ -149,7 +149,7 @@ def _engine_and_baseline(model: str | torch.nn.Module, tokenizer, kwargs: dict, 
     """The engine, the transformers model the baselines run (None when none runs), and
     the tokenizer. A loaded model is copied for the baselines, as the engine installs its
     own attention function on the one it gets."""
-    from minivllm.model_loader import load_model
+    from minivllm.worker.model_loader import load_model
 
     if isinstance(model, str):
         engine = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -281,7 +281,7 @@ class _ToolRunner:
 
     def _fixed_linear(self, backend: str) -> ToolResult:
         # The same engine with every linear layer through one library, whatever "auto"
-        # measured (minivllm.linear): "torch" is nn.Linear as is, so that row also shows
+        # measured (minivllm.worker.linear): "torch" is nn.Linear as is, so that row also shows
         # how much of minivllm's lead is scheduling and paging rather than the matmul.
         if backend not in self.fixed_engines:
             fixed = LLMEngine(EngineConfig(**{**self.kwargs, "linear_backend": backend}), self.engine.model,

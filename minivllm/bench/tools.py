@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.engine import LLMEngine
-from minivllm.replay import replay_workload
-from minivllm.workload import WorkloadRequest
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sim.replay import replay_workload
+from minivllm.sim.workload import WorkloadRequest
 
 TOOLS = ("minivllm", "minivllm-torch-linear", "minivllm-onednn-linear", "minivllm-transposed-linear",
          "hf-generate", "hf-static", "hf-cb")

@@ -56,7 +56,7 @@ from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from minivllm.model_runner import ModelRunnerOutput
+    from minivllm.worker.model_runner import ModelRunnerOutput
 
 
 @dataclass

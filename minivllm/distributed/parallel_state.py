@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minivllm.system_utils import get_mp_context, with_environment
+from minivllm.utils.system_utils import get_mp_context, with_environment
 
 HOST = "127.0.0.1"
 """All ranks are on this machine (the design carries to several: give the store's host)."""

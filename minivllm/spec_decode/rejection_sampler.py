@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.sampler import SamplingError, target_probs
+from minivllm.sample.sampler import SamplingError, target_probs
 from minivllm.sampling_params import SamplingParams
 
 

@@ -14,23 +14,23 @@ from minivllm.viz.style import ARCHITECTURE_SIZE, _new_axes
 
 # (label, module(s), notebooks, x, y): the boxes of plot_architecture.
 _ARCHITECTURE = {
-    "llm": ("LLM: generate / chat / stream\n(the offline API)", "minivllm/llm.py", "00", 2.0, 7.0),
+    "llm": ("LLM: generate / chat / stream\n(the offline API)", "minivllm/entrypoints/llm.py", "00", 2.0, 7.0),
     "server": ("API server process: HTTP, validation,\ntokenize, detokenize, stream",
-               "minivllm/server.py\nminivllm/core_client.py", "10", 2.0, 4.8),
+               "minivllm/entrypoints/openai/api_server.py\nminivllm/engine/core_client.py", "10", 2.0, 4.8),
     "detokenizer": ("Detokenizer: tokens -> text\nstop strings, streamed pieces",
-                    "minivllm/detokenizer.py", "00 10", 2.0, 2.6),
+                    "minivllm/engine/detokenizer.py", "00 10", 2.0, 2.6),
     "engine": ("Engine core: the step loop\nschedule, run, update, outputs",
-               "minivllm/engine_core.py\nminivllm/engine.py", "04 09 10", 6.6, 7.0),
+               "minivllm/engine/core.py\nminivllm/engine/llm_engine.py", "04 09 10", 6.6, 7.0),
     "scheduler": ("Scheduler: who runs this step\ntoken budget, chunks, preemption",
                   "minivllm/core/scheduler.py", "04 06 08", 11.2, 7.0),
     "kv": ("KV cache manager + block pool\nblock tables, free queue, prefix hashes",
            "minivllm/core/kv_cache_manager.py\nminivllm/core/block_pool.py", "03 07", 11.2, 4.8),
     "runner": ("Model runner: one flat batch\ninput_ids, positions, slot_mapping",
-               "minivllm/model_runner.py", "04 05", 6.6, 4.8),
+               "minivllm/worker/model_runner.py", "04 05", 6.6, 4.8),
     "attention": ("Model (transformers), its attention:\nthe paged attention kernel",
-                  "minivllm/attention.py\nkernels/ (reference, Triton)", "05", 6.6, 2.6),
+                  "minivllm/worker/attention.py\nminivllm/kernels/ (reference, Triton)", "05", 6.6, 2.6),
     "sampler": ("Sampler: logits -> next token\ngreedy, temperature, top-k/p",
-                "minivllm/sampler.py", "00 12 13", 6.6, 0.4),
+                "minivllm/sample/sampler.py", "00 12 13", 6.6, 0.4),
 }
 # (from, to, label, arc): the arrows, in the order one request travels.
 _ARCHITECTURE_FLOW = [
@@ -115,11 +115,11 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
 
 # (title, module, what it does): the two sides of plot_process_split.
 _PROCESSES = {
-    "api_server": ("API server process", "minivllm/server.py, async_engine.py\nminivllm/mp_client.py",
+    "api_server": ("API server process", "minivllm/entrypoints/openai/api_server.py\nminivllm/engine/async_llm.py\nminivllm/engine/mp_client.py",
                    ["HTTP (FastAPI, uvicorn), API key, limits", "validation: 400 before the core",
                     "chat template, tokenize", "output processor: text, stop strings",
                     "SSE stream; abort on client disconnect"]),
-    "engine_core": ("Engine core process", "minivllm/engine_core_proc.py\nminivllm/engine_core.py",
+    "engine_core": ("Engine core process", "minivllm/engine/core_proc.py\nminivllm/engine/core.py",
                     ["step loop: read messages, step, send", "scheduler: token budget, chunks",
                      "KV cache manager, block pool", "model runner, attention, sampler",
                      "never waits on a client"]),

@@ -1,5 +1,5 @@
 """A cluster sweep drawn: prefix-cache hit rate and time to first token against the
-number of replicas, one line per routing policy (:func:`minivllm.cluster_simulator.sweep`)."""
+number of replicas, one line per routing policy (:func:`minivllm.sim.cluster_simulator.sweep`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from minivllm.cluster_simulator import SweepRow
+from minivllm.sim.cluster_simulator import SweepRow
 from minivllm.viz.style import _new_figure, _note_time_source
 
 CLUSTER_SWEEP_SIZE = (10.0, 4.0)
@@ -32,13 +32,13 @@ def plot_cluster_sweep(rows: Sequence[SweepRow], ax: Sequence[Axes] | None = Non
     replicas, each of which computes the document again, so its hit rate falls; a
     prefix-aware router keeps them together and its hit rate holds, which shows in the
     time to first token (less prompt to compute). ``rows``: the
-    :class:`~minivllm.cluster_simulator.SweepRow` list of a sweep (anything with
+    :class:`~minivllm.sim.cluster_simulator.SweepRow` list of a sweep (anything with
     ``policy``, ``num_replicas``, ``hit_rate``, ``mean_ttft``, ``p99_ttft``). Pass two
     Axes to draw into your own layout. ``time_source`` (e.g. the cost model's label) is
     noted in the corner, since the seconds are simulated.
     """
     if not rows:
-        raise ValueError("no sweep rows to draw: run minivllm.cluster_simulator.sweep first")
+        raise ValueError("no sweep rows to draw: run minivllm.sim.cluster_simulator.sweep first")
     if ax is None:
         fig = _new_figure(CLUSTER_SWEEP_SIZE)
         axes = list(fig.subplots(1, 2))

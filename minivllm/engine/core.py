@@ -1,0 +1,389 @@
+"""EngineCore: the loop that ties scheduler, KV cache manager and model together.
+
+One call to :meth:`EngineCore.step` is one iteration of continuous batching:
+
+    schedule  ->  run the model on the packed batch (the executor)  ->  append tokens,
+              check stops  ->  each request's new token ids (``EngineCoreOutput``)
+              ->  record the step in the trace
+              (->  propose drafts for the next step, with speculative decoding on:
+                   minivllm.spec_decode.drafter)
+
+Requests may be added or aborted between any two steps; that is what makes the batching
+*continuous*. The core deals in token ids only: text, stop strings and logprob dicts are
+the front end's (``minivllm.engine.output_processor``). :class:`~minivllm.engine.llm_engine.LLMEngine` is
+this core with that front end in the same process (``LLM`` and the thread server use
+it); the engine core process of ``minivllm serve`` runs this class alone
+(``minivllm.engine.core_proc``), and its server makes the text.
+
+A request's state lives here in two places, each freed when it finishes: the
+scheduler's ``Request`` (its counts and blocks) and the model runner's random generator
+(when it has a seed).
+
+In vLLM: ``vllm/v1/engine/core.py`` (``EngineCore``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from minivllm.config import EngineConfig, SpeculativeConfig, load_component
+from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
+from minivllm.core.scheduler import SchedulerOutput
+from minivllm.engine.output_processor import EngineCoreOutput, FrontEndFinish
+from minivllm.engine.processor import ProcessedPrompt, check_priority
+from minivllm.exceptions import ValidationError
+from minivllm.executor.abstract import Executor, UniProcExecutor, load_model_for
+from minivllm.executor.multiproc_executor import MultiprocExecutor, StepTiming
+from minivllm.metrics import EngineStats, LoggingStatLogger, Metric, RequestMetrics, SchedulerStats
+from minivllm.request import Request, RequestStatus
+from minivllm.sample.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
+from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode.drafter import Drafter
+from minivllm.trace import Trace, make_step_record
+from minivllm.worker.model_runner import (
+    ModelRunner,
+    ModelRunnerOutput,
+    kv_cache_bytes_per_token,
+    kv_cache_shape,
+)
+
+logger = logging.getLogger("minivllm")
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        model_runner: ModelRunner | None = None,
+    ) -> None:
+        """Build the core in three parts: resolve the device, dtype and backends and load
+        the model (``minivllm.executor.abstract.load_model_for``); size the KV cache
+        (``core.kv_cache_utils.size_kv_cache``); wire the KV cache manager, scheduler, executor and
+        trace together.
+
+        ``model_runner``: a runner to use instead of building a :class:`ModelRunner`
+        (which allocates the KV cache); the simulator passes its cost-model runner here.
+        ``clock`` is the source of every timestamp (the simulator's is virtual).
+        """
+        config.verify()  # again: fields may have been changed since it was made
+        self.config = config
+        self.clock = clock
+        loaded = load_model_for(config, model, tokenizer)
+        self.model, self.tokenizer, self.device, self.dtype = loaded.model, loaded.tokenizer, loaded.device, loaded.dtype
+        self.attention_backend_cls, self.attention_backend = loaded.attention_backend_cls, loaded.attention_backend
+        self.linear_plan, self.linear_backend = loaded.linear_plan, loaded.linear_plan.name
+        self.eos_token_id = loaded.eos_token_id
+        model_max_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        size = size_kv_cache(
+            config, kv_cache_bytes_per_token(self.model, self.dtype, config.tensor_parallel_size),
+            model_max_len)
+        self.max_model_len = size.max_model_len
+        self._wire(size, model_runner)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
+            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.",
+            size.num_blocks, config.block_size, size.num_blocks * size.block_bytes / 2**20,
+            size.num_tokens, self.max_model_len, size.num_tokens / self.max_model_len,
+            self.attention_backend, self.linear_backend, self.device,
+        )
+
+    def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
+        config = self.config
+        # The classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
+        # the project's own by default, a learner's when one is given.
+        kv_cache_manager_cls = load_component("kv_cache_manager_cls", config.kv_cache_manager_cls)
+        scheduler_cls = load_component("scheduler_cls", config.scheduler_cls)
+        self.kv_cache_manager = kv_cache_manager_cls(
+            size.num_blocks, config.block_size, config.enable_prefix_caching,
+            block_pool_cls=load_component("block_pool_cls", config.block_pool_cls))
+        self.scheduler = scheduler_cls(
+            self.kv_cache_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
+        )
+        make_runner = functools.partial(
+            ModelRunner, self.model, self.kv_cache_manager, self.attention_backend_cls, self.device,
+            self.dtype, config.seed, linear_plan=self.linear_plan,
+            sampler_cls=load_component("sampler_cls", config.sampler_cls))
+        self.executor: Executor
+        """Runs each step's model work: in this process, or over tensor-parallel workers."""
+        if model_runner is None and config.tensor_parallel_size > 1:
+            num_layers, num_kv_heads, head_dim = kv_cache_shape(self.model.config,
+                                                                config.tensor_parallel_size)
+            self.executor = MultiprocExecutor(
+                self.model, config.tensor_parallel_size, self.device, self.dtype,
+                self.attention_backend_cls, (size.num_blocks, config.block_size, num_kv_heads, head_dim),
+                num_layers, self.linear_plan, make_runner)
+        else:
+            self.executor = UniProcExecutor(model_runner or make_runner())
+        self.model_runner = self.executor.model_runner
+        """The runner in this process (rank 0's with tensor parallelism)."""
+        self.trace = Trace(
+            block_size=config.block_size,
+            num_blocks=size.num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_steps=config.max_trace_steps,
+        )
+        self._grammar_compiler: GrammarCompiler | None = None
+        """Structured output's compiler (and its cache), made at the first request that asks for one."""
+        self._finished_outputs: list = []
+        """Final outputs of requests aborted between steps, handed out by the next step()."""
+        self._step_index = 0
+        self.stats = EngineStats()
+        """Engine-wide counters and histograms behind :meth:`get_metrics`."""
+        self.drafter: Drafter | None = None
+        """Speculative decoding's drafts and their metrics (``minivllm.spec_decode``); None when off."""
+        if config.speculative_config is not None:
+            self.drafter = Drafter(SpeculativeConfig.parse(config.speculative_config), self.max_model_len)
+            self.stats.spec_decoding = self.drafter.stats
+        self._stat_logger = (
+            LoggingStatLogger(config.log_stats_interval, self.clock())
+            if config.log_stats_interval else None
+        )
+
+    # -- requests in and out ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> Request:
+        """Queue one request whose prompt and params the front end has checked
+        (``minivllm.engine.processor``). What only the core can check is checked here, and
+        refused with a :class:`~minivllm.exceptions.ValidationError` before anything is
+        queued: an id in use, a priority its policy does not take, a grammar that does
+        not compile."""
+        if request_id in self.scheduler.requests:
+            raise ValidationError("request_id", f"request_id {request_id!r} is already in use", request_id)
+        priority = check_priority(priority, self.config.scheduling_policy)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self._new_grammar_state(params.structured_outputs)
+        request = Request(request_id, prompt.prompt_token_ids, params,
+                          self.clock() if arrival_time is None else arrival_time,
+                          self.eos_token_id, prompt.prompt, priority)
+        request.grammar = grammar
+        self.scheduler.add_request(request)
+        self.trace.requests[request_id] = request.metrics
+        return request
+
+    def _new_grammar_state(self, params: StructuredOutputsParams) -> GrammarState:
+        """A matcher for a new request with structured output (``minivllm.sample.structured_output``),
+        compiled for this engine's tokenizer and the model's vocabulary (once per grammar:
+        the compiler caches). The end-of-sequence token is the engine's own."""
+        if self.tokenizer is None:
+            raise ValidationError("structured_outputs", "structured output needs the engine's "
+                                  "tokenizer (the grammar is over text), and this engine has none",
+                                  params.kind)
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model.config.vocab_size,
+                                                     self.eos_token_id)
+        return self._grammar_compiler.new_state(params)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort unfinished requests now and free their blocks; their final outputs
+        (finish_reason "abort") are handed out by the next ``step()``. Unknown ids raise
+        KeyError and abort nothing."""
+        unknown = [i for i in request_ids if i not in self.scheduler.requests]
+        if unknown:
+            raise KeyError(f"no unfinished request with id(s) {unknown}")
+        aborted = [self.scheduler.requests[i] for i in request_ids]
+        self._finish_between_steps(aborted, RequestStatus.FINISHED_ABORTED)
+        outputs = [EngineCoreOutput(r.request_id, [], "abort", num_cached_tokens=r.metrics.num_cached_tokens)
+                   for r in aborted]
+        self._finished_outputs.extend(self._process_outputs(outputs, aborted))
+
+    def finish_requests(self, finishes: list[FrontEndFinish]) -> None:
+        """Finish requests that the API server's output processor ended (a stop string, or
+        text it could not make) while this engine core still ran them; those already
+        finished here meanwhile are left as they are. Its outputs are not handed out
+        again: the server has made them."""
+        requests = []
+        for f in finishes:
+            request = self.scheduler.requests.get(f.request_id)
+            if request is not None:
+                request.stop_reason, request.error = f.stop_reason, f.error
+                requests.append((request, f.finish_reason))
+        for reason in ("stop", "error"):
+            self._finish_between_steps([r for r, why in requests if why == reason],
+                                       RequestStatus.FINISHED_STOPPED if reason == "stop"
+                                       else RequestStatus.FINISHED_ERROR)
+
+    def _finish_between_steps(self, requests: list[Request], status: RequestStatus) -> None:
+        """Finish unfinished requests now, with ``status``, and free their blocks."""
+        now = self.clock()
+        for request in requests:
+            self.scheduler.finish_request(request, status)
+            request.metrics.finished_time = now
+            self.stats.record_finished(request.metrics, request.finish_reason)
+        self.executor.remove_requests([r.request_id for r in requests])
+
+    def _finish_between_steps(self, requests: list[Request], status: RequestStatus) -> None:
+        """Finish unfinished requests now, with ``status``, and free their blocks."""
+        now = self.clock()
+        for request in requests:
+            self.scheduler.finish_request(request, status)
+            request.metrics.finished_time = now
+            self.stats.record_finished(request.metrics, request.finish_reason)
+        self.executor.remove_requests([r.request_id for r in requests])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- one step -----------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one iteration; return an output for every request that progressed: its new
+        token ids (a ``RequestOutput`` from :class:`~minivllm.engine.llm_engine.LLMEngine`).
+
+        Isolation: a failure that belongs to one request (its sampling, its
+        detokenization) finishes that request alone, with finish_reason "error" and the
+        message in ``outputs[0].error``. A failure of the forward pass, which the whole
+        batch shares, is rolled back (``Scheduler.rollback``) and re-raised: the engine is
+        then exactly as before the step, and stepping again retries it.
+        """
+        outputs, self._finished_outputs = self._finished_outputs, []
+        try:
+            outputs += self._step()
+        except BaseException:  # hand the aborted requests' outputs out next time
+            self._finished_outputs = outputs + self._finished_outputs
+            raise
+        return outputs
+
+    def _step(self) -> list:
+        start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+            return []
+        result = self._execute(scheduler_output, start)
+        accepted = self.drafter.count_accepted(scheduler_output, result.sampled) if self.drafter else {}
+        before = {s.request.request_id: (s.request.num_output_tokens, len(s.request.prompt_logprobs or ()))
+                  for s in scheduler_output.scheduled}
+        updated = self.scheduler.update_from_output(scheduler_output, result)
+        self._attach_logprobs(scheduler_output, result)
+        outputs = self._process_outputs([self._core_output(r, *before[r.request_id]) for r in updated],
+                                        updated)
+        finished, got_token = self._record_tokens(updated)
+        self.executor.remove_requests(finished)
+        self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
+                     getattr(result, "parallel", None))
+        self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
+                               [m for m, _ in got_token], [n for _, n in got_token])
+        if self.drafter is not None:
+            self.drafter.observe_step(sum(n for _, n in got_token), result.model_time,
+                                      not any(s.is_prefill for s in scheduler_output.scheduled))
+            self.drafter.propose(updated, len(self.scheduler.running))
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
+        return outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
+        """The forward pass and sampling; if they fail, the step is rolled back."""
+        first_time = [s.request for s in scheduler_output.scheduled
+                      if s.request.metrics.first_scheduled_time is None]
+        for request in first_time:
+            request.metrics.first_scheduled_time = start
+        try:
+            return self.executor.execute_model(scheduler_output)
+        except BaseException:  # an error, or Ctrl-C in a notebook: leave nothing half-done
+            self.scheduler.rollback(scheduler_output)
+            for request in first_time:  # all were admitted this step, and are waiting again
+                request.metrics.first_scheduled_time = None
+            raise
+
+    def _core_output(self, request: Request, num_sent: int, num_prompt_logprobs: int) -> EngineCoreOutput:
+        """What ``request`` gained this step, given how many output tokens and prompt
+        logprob entries it had before: new token ids, their logprob entries (compact:
+        no text), its prompt logprobs once the whole prompt has run, how it ended."""
+        new_logprobs = prompt_logprobs = None
+        if request.logprobs is not None:
+            new_logprobs = request.logprobs[num_sent:request.num_output_tokens]
+        n = request.num_prompt_tokens
+        if request.prompt_logprobs is not None and num_prompt_logprobs < n <= len(request.prompt_logprobs):
+            prompt_logprobs = [None] + request.prompt_logprobs[1:n]
+        return EngineCoreOutput(request.request_id, request.output_token_ids[num_sent:],
+                                request.finish_reason, request.stop_reason, request.error,
+                                request.metrics.num_cached_tokens, new_logprobs, prompt_logprobs)
+
+    def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
+                finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None) -> None:
+        """Append the step just run to the trace (``minivllm.trace.make_step_record``); its
+        ``end`` was read before, so the copying here is not in the step's duration."""
+        self.trace.record(make_step_record(
+            self._step_index, scheduler_output, self.scheduler, self.kv_cache_manager, start, end,
+            model_time, finished, accepted, parallel))
+        self._step_index += 1
+
+    def _process_outputs(self, outputs: list[EngineCoreOutput], updated: list[Request]) -> list:
+        """What the step hands out. Here: the token ids as they are. A front end in the
+        same process (``LLMEngine``) makes its text here, before anything is counted."""
+        return outputs
+
+    def _record_tokens(self, updated: list[Request]) -> tuple[list[str], list[tuple[RequestMetrics, int]]]:
+        """Timestamps of the requests that got tokens (or an error) this step. Returns
+        the ids that finished and, for those that got tokens, their metrics and how many
+        tokens (several only with speculative decoding; they share one timestamp)."""
+        now = self.clock()
+        finished: list[str] = []
+        got_token: list[tuple[RequestMetrics, int]] = []
+        for request in updated:
+            m = request.metrics
+            num_new = request.num_output_tokens - len(m.token_times)
+            if num_new > 0:
+                got_token.append((m, num_new))
+                m.token_times.extend([now] * num_new)
+                if m.first_token_time is None:
+                    m.first_token_time = now
+            if request.is_finished:
+                m.finished_time = now
+                finished.append(request.request_id)
+                self.stats.record_finished(m, request.finish_reason)
+        return finished, got_token
+
+    def _attach_logprobs(self, scheduler_output: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Append this step's logprobs to the requests that asked. Tokens after a stop
+        (a stop token among accepted drafts) were not kept: neither are their entries."""
+        for s in scheduler_output.scheduled:
+            request = s.request
+            if request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(result.prompt_logprobs.get(request.request_id, []))
+            if request.logprobs is not None:
+                request.logprobs.extend(result.logprobs.get(request.request_id, []))
+                del request.logprobs[request.num_output_tokens:]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- metrics ------------------------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        """The scheduler and KV cache as they are now (the gauges of :meth:`get_metrics`)."""
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if getattr(self, "executor", None) is not None:  # None: __init__ failed before it
+            self.executor.shutdown()
+
+    def get_metrics(self) -> list[Metric]:
+        """Counters, gauges and histograms named like vLLM's (``minivllm:`` prefix)."""
+        return self.stats.get_metrics(self.scheduler_stats())
+

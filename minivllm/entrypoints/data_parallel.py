@@ -1,0 +1,159 @@
+"""Replicas on this machine: ``minivllm serve --data-parallel-size N`` (notebook 14).
+
+    minivllm serve --data-parallel-size 2 --port 8000
+
+The one-host shortcut to the router of :mod:`minivllm.entrypoints.router` (vLLM's option name):
+:class:`LocalReplicas` starts N ``minivllm serve`` processes on free loopback ports, each
+its own engine, KV cache and prefix cache, and :func:`run_data_parallel` puts the router
+(:func:`minivllm.entrypoints.router.run_router`) in front of them on the user's port.
+
+Why whole processes and not N engines in one: a replica is then exactly what a remote
+replica is (a URL), so the router in front is the same code for one host or many. The
+price is that a replica is a process the router must not leak: the children never
+outlive it. They are ended when it stops (Ctrl-C, an exception, a normal exit: the
+context manager's ``__exit__``), and the kernel ends them if it is killed
+(``PR_SET_PDEATHSIG``, set in each child before it starts).
+
+In vLLM: ``vllm serve --data-parallel-size N`` starts its engine cores with
+``CoreEngineProcManager`` (``vllm/v1/engine/utils.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from minivllm.entrypoints.router import run_router
+from minivllm.exceptions import ValidationError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now: the OS picks it (bind to port 0). Another program
+    could take it before the replica binds; on a loopback interface that race is rare."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def engine_argv(engine_kwargs: dict[str, Any]) -> list[str]:
+    """EngineConfig keyword arguments as ``minivllm serve`` flags (the inverse of
+    :func:`minivllm.engine.arg_utils.add_engine_arguments`)."""
+    argv = []
+    for name, value in engine_kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+class LocalReplicas:
+    """N ``minivllm serve`` processes on free loopback ports; a context manager that ends
+    them all, however the block is left.
+
+        with LocalReplicas(2, ["--model", "smollm2-135m-instruct"]) as replicas:
+            print(replicas.urls)
+    """
+
+    def __init__(self, n: int, serve_argv: Sequence[str], host: str = "127.0.0.1",
+                 startup_timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``log_dir``: write replica i's output to ``log_dir/replica-i.log`` instead of this
+        process's terminal (a notebook or benchmark that wants only its own output).
+        ``env``: variables set for the replicas on top of this process's environment."""
+        if n < 1:
+            raise ValidationError("data_parallel_size", f"data_parallel_size must be >= 1, got {n}", n)
+        self.n, self.serve_argv, self.host, self.startup_timeout = n, list(serve_argv), host, startup_timeout
+        self.log_dir, self.env = log_dir, dict(env or {})
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self.logs: list[Any] = []
+
+    def start(self) -> LocalReplicas:
+        try:
+            for _ in range(self.n):
+                port = free_port(self.host)
+                cmd = [sys.executable, "-c", "import sys; from minivllm.entrypoints.cli import main; sys.exit(main())", "serve", "--host", self.host, "--port", str(port),
+                       *self.serve_argv]
+                out = None
+                if self.log_dir is not None:
+                    out = open(os.path.join(self.log_dir, f"replica-{len(self.procs)}.log"), "wb")
+                    self.logs.append(out)
+                self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out,
+                                                   stderr=subprocess.STDOUT if out else None,
+                                                   env={**os.environ, **self.env}))
+                self.urls.append(f"http://{self.host}:{port}")
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        pending = set(range(self.n))
+        while pending:
+            for i in sorted(pending):
+                if self.procs[i].poll() is not None:
+                    where = "its log above"
+                    if self.logs:
+                        with open(self.logs[i].name, errors="replace") as f:
+                            where = f"the end of {self.logs[i].name}:\n" + "".join(f.readlines()[-20:])
+                    raise RuntimeError(f"replica {i} ({self.urls[i]}) exited with status "
+                                       f"{self.procs[i].returncode} while starting; see {where}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
+                        pending.discard(i)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas {sorted(pending)} not ready after {self.startup_timeout:g} s")
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+
+    def __enter__(self) -> LocalReplicas:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str, host: str, port: int,
+                      **router_kwargs: Any) -> None:
+    """``minivllm serve --data-parallel-size N``: N local replicas and the router in front."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    with LocalReplicas(size, serve_argv) as local:
+        run_router(local.urls, routing_policy, host, port, **router_kwargs)

@@ -1,0 +1,405 @@
+"""The endpoints' work: an OpenAI request in, the engine's outputs back as OpenAI JSON or
+server-sent events.
+
+:class:`OpenAIServing` holds what every endpoint needs (the async engine and the served
+model's name) and has one method per endpoint; ``minivllm.entrypoints.openai.api_server`` registers them as
+FastAPI routes. Each method reads the same way: check the model name, make the
+``SamplingParams`` (the request model does: ``minivllm.entrypoints.openai.protocol``), start the request on
+the :class:`~minivllm.engine.async_llm.AsyncLLMEngine`, then either stream chunks (:func:`sse`)
+or wait for the last output and answer once. Every refusal is an
+:class:`~minivllm.entrypoints.openai.protocol.APIError`, which the app turns into OpenAI's error shape.
+
+In vLLM (0.34): ``vllm/entrypoints/openai/completion/serving.py`` and
+``chat_completion/serving.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.engine.async_llm import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from minivllm.entrypoints.openai.base_protocol import (
+    IGNORED_FIELDS_HEADER,
+    SamplingRequest,
+    UnsupportedField,
+)
+from minivllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from minivllm.entrypoints.openai.completion_protocol import CompletionRequest
+from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_metrics
+from minivllm.entrypoints.openai.protocol import APIError, invalid_request
+from minivllm.exceptions import ValidationError
+from minivllm.metrics import Counter
+from minivllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from minivllm.sample.logprobs import Logprob
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("minivllm")
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 http_counts: dict[tuple[str, str], int]) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.http_counts = http_counts
+        """Responses by (handler, status), counted by ``middleware.CountResponses``."""
+
+    # -- what every generating endpoint does first -----------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", "not_found_error", "model", "model_not_found")
+
+    def sampling_params(self, body: SamplingRequest, default_max_tokens: int | None) -> SamplingParams:
+        try:
+            body.check_supported()
+            return body.sampling_params(default_max_tokens)
+        except (ValidationError, UnsupportedField) as e:
+            raise invalid_request(e) from None
+
+    async def start(self, prompt: Any, params: SamplingParams, prefix: str,
+                    prompt_field: str, priority: int = 0) -> RequestStream:
+        try:
+            return await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params,
+                                                 priority)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
+        except (ValueError, TypeError) as e:
+            raise invalid_request(e, prompt_field) from None
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # preparing this one request failed: a 500 of its own
+            logger.exception("preparing a request failed")
+            raise APIError(500, f"the request could not be prepared: {e!r}", "server_error",
+                           code="request_failed") from None
+
+    # -- the endpoints -------------------------------------------------------------------
+    async def list_models(self) -> dict:
+        card = {"id": self.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "minivllm", "max_model_len": self.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        params = self.sampling_params(body, default_max_tokens=16)  # OpenAI's default here
+        try:
+            prompt = body.engine_prompt()
+        except ValidationError as e:
+            raise invalid_request(e) from None
+        stream = await self.start(prompt, params, "cmpl", "prompt", body.priority)
+        headers = ignored_fields_header(body, stream.request_id)
+        head = {"id": stream.request_id, "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name}
+
+        makers: dict[int, CompletionLogprobsMaker] = {}  # per choice: its positions sent so far
+
+        def choice(c: CompletionOutput, text: str, final: bool) -> dict:
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = makers.setdefault(c.index, CompletionLogprobsMaker())(c.logprobs or [])
+            return {"index": c.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": c.finish_reason if final else None,
+                    "stop_reason": c.stop_reason if final else None}
+
+        if body.stream:
+            deltas = ChoiceDeltas()
+
+            def chunk(out: RequestOutput) -> list[dict]:
+                # A choice with no new text waits: its tokens' logprobs go with its next chunk.
+                return [{**head, "choices": [choice(c, text, final)]}
+                        for c, text, final, _ in deltas.new(out) if text or final]
+            return sse(stream, chunk, head, body, headers)
+        out = await unless_disconnected(request, last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        raise_if_failed(out)
+        choices = [choice(c, c.text, True) for c in out.outputs]
+        if body.return_token_ids:
+            for c, ch in zip(out.outputs, choices):
+                ch["token_ids"] = c.token_ids
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)}, headers=headers)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(body.model)
+        params = self._chat_sampling_params(body)
+        messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
+        stream = await self.start(messages, params, "chatcmpl", "messages", body.priority)
+        headers = ignored_fields_header(body, stream.request_id)
+        head = {"id": stream.request_id, "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return sse(stream, _chat_chunks(head, params.logprobs), head, body, headers)
+        out = await unless_disconnected(request, last_output(stream))
+        if out is None:
+            return Response(status_code=499)
+        raise_if_failed(out)
+        choices = []
+        for c in out.outputs:
+            message = {"role": "assistant", "content": c.text}
+            choice = {"index": c.index, "message": message,
+                      "logprobs": None if params.logprobs is None else chat_logprobs(c.logprobs or [], params.logprobs),
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if body.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        return JSONResponse({**head, "choices": choices, "usage": usage(out)}, headers=headers)
+
+    def _chat_sampling_params(self, body: ChatCompletionRequest) -> SamplingParams:
+        """As for a completion, with OpenAI's newer name ``max_completion_tokens`` for
+        ``max_tokens``: an error names the field the client sent."""
+        renamed = body.max_tokens is None and body.max_completion_tokens is not None
+        if renamed:
+            body.max_tokens = body.max_completion_tokens
+        try:
+            return self.sampling_params(body, default_max_tokens=None)  # as long as the model allows
+        except APIError as e:
+            if renamed and e.param == "max_tokens":
+                e.param, e.message = "max_completion_tokens", e.message.replace(
+                    "max_tokens", "max_completion_tokens", 1)
+            raise
+
+    async def health(self) -> JSONResponse:
+        if self.engine.error is not None:
+            return APIError(500, f"the engine failed: {self.engine.error!r}", "server_error").response()
+        if not self.engine.is_ready:  # the engine core process is still loading the model
+            return APIError(503, "the engine is starting; retry shortly", "service_unavailable").response()
+        return JSONResponse({"status": "ok", "num_requests_running": self.engine.num_running,
+                             "num_requests_waiting": self.engine.num_queued})
+
+    async def reset_prefix_cache(self) -> Response:
+        """``POST /reset_prefix_cache`` (a development endpoint, as in vLLM): forget every
+        cached block, so that the next requests start from a cold cache (a benchmark
+        that compares policies on the same server). Refused while requests hold blocks."""
+        if self.engine.error is not None:
+            return APIError(500, f"the engine failed: {self.engine.error!r}", "server_error").response()
+        if not await self.engine.reset_prefix_cache():
+            return APIError(409, "requests are running and hold cached blocks: the prefix cache "
+                            "was not reset; retry when they have finished", "conflict").response()
+        return Response(status_code=200)
+
+    async def metrics(self) -> Response:
+        records = await self.engine.get_metrics() if self.engine.error is None else []
+        records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})
+                    for (h, s), n in sorted(self.http_counts.items())]
+        return Response(render_metrics(records), media_type=CONTENT_TYPE)
+
+
+def _chat_chunks(head: dict, top_logprobs: int | None = None) -> Callable[[RequestOutput], list[dict]]:
+    """The chunk maker of a chat stream: OpenAI's first chunk of each choice announces
+    the role. With logprobs (``top_logprobs`` not None) each chunk carries the entries of
+    its own choice's tokens sent since that choice's last chunk."""
+    deltas = ChoiceDeltas()
+    num_sent: dict[int, int] = {}  # per choice: positions whose logprobs were sent
+
+    def chunk(out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c, text, final, first in deltas.new(out):
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text or first:
+                delta["content"] = text
+            if not delta and not final:
+                continue  # its tokens' logprobs go with the choice's next chunk
+            logprobs = None
+            if top_logprobs is not None:
+                positions = c.logprobs or []
+                logprobs = chat_logprobs(positions[num_sent.get(c.index, 0):], top_logprobs)
+                num_sent[c.index] = len(positions)
+            chunks.append({**head, "choices": [{"index": c.index, "delta": delta, "logprobs": logprobs,
+                                                "finish_reason": c.finish_reason if final else None}]})
+        return chunks
+
+    return chunk
+
+
+class ChoiceDeltas:
+    """What each choice of a stream gained since its last chunk. An output holds each
+    completion as it stands (with n > 1, all n, whichever progressed), and a completion's
+    text only ever grows, so its new text is what follows the part already sent; its
+    finish_reason is sent once."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}
+        """Characters sent, per choice index."""
+        self.done: set[int] = set()
+
+    def new(self, out: RequestOutput) -> list[tuple[CompletionOutput, str, bool, bool]]:
+        """``(completion, new text, finished now, first time seen)`` for every completion."""
+        result = []
+        for c in out.outputs:
+            first = c.index not in self.sent
+            text = c.text[self.sent.get(c.index, 0):]
+            self.sent[c.index] = max(self.sent.get(c.index, 0), len(c.text))
+            final = c.finished() and c.index not in self.done
+            if final:
+                self.done.add(c.index)
+            result.append((c, text, final, first))
+        return result
+
+
+# -- logprobs in OpenAI's shapes -------------------------------------------------------------
+def _openai_logprob(value: float) -> float:
+    """OpenAI's stand-in for a logprob of -inf (JSON has no infinity)."""
+    return max(value, -9999.0)
+
+
+class CompletionLogprobsMaker:
+    """The completions endpoint's ``logprobs`` for the positions not yet sent (all of them
+    at once without streaming, each chunk's own when streaming). ``text_offset`` counts
+    the characters of the tokens before, over the whole completion (vLLM's rule)."""
+
+    def __init__(self) -> None:
+        self.num_sent = 0
+        self.text_offset = 0
+
+    def __call__(self, positions: SampleLogprobs) -> dict:
+        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+        for position in positions[self.num_sent:]:
+            chosen = next(iter(position.values()))  # the chosen token comes first
+            token = chosen.decoded_token or ""
+            tokens.append(token)
+            token_logprobs.append(_openai_logprob(chosen.logprob))
+            top_logprobs.append({p.decoded_token or "": _openai_logprob(p.logprob)
+                                 for p in position.values()})
+            text_offset.append(self.text_offset)
+            self.text_offset += len(token)
+        self.num_sent = len(positions)
+        return {"tokens": tokens, "token_logprobs": token_logprobs,
+                "top_logprobs": top_logprobs, "text_offset": text_offset}
+
+
+def chat_logprobs(positions: SampleLogprobs, top_logprobs: int) -> dict:
+    """The chat endpoint's ``logprobs``: per token its text, logprob and UTF-8 bytes, and
+    the ``top_logprobs`` most likely tokens there (by rank; the chosen one only if it is
+    among them)."""
+    def entry(p: Logprob) -> dict:
+        token = p.decoded_token or ""
+        return {"token": token, "logprob": _openai_logprob(p.logprob), "bytes": list(token.encode())}
+
+    content = []
+    for position in positions:
+        chosen = next(iter(position.values()))
+        top = sorted(position.values(), key=lambda p: p.rank)[:top_logprobs]
+        content.append({**entry(chosen), "top_logprobs": [entry(p) for p in top]})
+    return {"content": content}
+
+
+# -- helpers for the endpoints -------------------------------------------------------------
+def raise_if_failed(out: RequestOutput) -> None:
+    """A request that finished with finish_reason "error" (any of its n completions) is a
+    500 of its own."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+
+
+def usage(out: RequestOutput, index: int | None = None) -> dict[str, int]:
+    """The request's usage; with ``index``, choice ``index``'s so far (what vLLM's
+    ``continuous_usage_stats`` puts in each chunk of that choice)."""
+    # With n > 1 the prompt counts once and every completion's tokens count (OpenAI's rule).
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs if index is None or c.index == index)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def ignored_fields_header(body: SamplingRequest, request_id: str) -> dict[str, str]:
+    """The response header naming the fields this request carried that the server does
+    not act on (vLLM's fields it lacks, unknown fields), logged once as vLLM logs them."""
+    # A field's name is any JSON string: escape it to printable ASCII, as a header must
+    # be (a raw "\r\n" would start a header of the client's choosing), and bound the list.
+    names = [name.encode("unicode_escape").decode("ascii") for name in body.ignored_fields()]
+    if not names:
+        return {}
+    value = ",".join(names)
+    if len(value) > 1000:
+        value = value[:997] + "..."
+    logger.warning("request %s: fields accepted but ignored (this server does not act on "
+                   "them): %s", request_id, value.replace(",", ", "))
+    return {IGNORED_FIELDS_HEADER: value}
+
+
+async def last_output(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """Await ``work`` unless the client hangs up first; then cancel it (which aborts the
+    request in the engine) and return None. A plain endpoint never notices a disconnect
+    on its own: only streaming responses listen for one."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], head: dict,
+        body: SamplingRequest, headers: dict[str, str] | None = None) -> StreamingResponse:
+    """Server-sent events: one ``data: {json}`` line per chunk, then ``data: [DONE]``.
+
+    ``stream_options`` as vLLM reads them: ``include_usage`` adds a last chunk with the
+    request's usage and no choices; with it, ``continuous_usage_stats`` also puts a
+    ``usage`` in every chunk, counting that chunk's choice's tokens so far (so a load
+    generator can time each token without parsing text).
+
+    When the client disconnects, Starlette cancels this generator while it waits for the
+    next output; ``stream.close()`` in ``finally`` then aborts the request.
+    """
+    options = body.stream_options
+    include_usage = options is not None and bool(options.include_usage)
+    continuous_usage = include_usage and bool(options.continuous_usage_stats)
+
+    async def events() -> AsyncIterator[str]:
+        # The status line (200) is long gone when something fails: report it in-band, as
+        # a last event holding an error (the openai client raises it as an APIError).
+        try:
+            async for out in stream:
+                failed = [c for c in out.outputs if c.finish_reason == "error"]
+                if failed:
+                    error = APIError(500, f"the request failed: {failed[0].error}",
+                                     "server_error", code="request_failed")
+                    yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+                    break
+                for data in chunk(out):  # one chunk per choice that progressed
+                    if continuous_usage:
+                        data["usage"] = usage(out, data["choices"][0]["index"])
+                    yield f"data: {json.dumps(data)}\n\n"
+                if out.finished and include_usage:
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(out)})}\n\n"
+        except EngineDeadError as e:
+            error = APIError(503, str(e), "service_unavailable")
+            yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
+        else:
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.close()
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **(headers or {})})

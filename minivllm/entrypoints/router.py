@@ -1,0 +1,399 @@
+"""The router: one OpenAI-compatible endpoint in front of several replicas (notebook 14).
+
+    minivllm router --replica http://10.0.0.1:8000 --replica http://10.0.0.2:8000 \\
+        --routing-policy prefix_aware --port 8000
+    minivllm serve --data-parallel-size 2 --port 8000      # the same, on this machine
+
+One engine has one KV cache; when it is full or busy, more engines are the answer: N
+*replicas*, each a whole ``minivllm serve`` with its own KV cache and prefix cache. A
+client should still see one server, so a router takes each request, picks a replica with
+a policy from :mod:`minivllm.entrypoints.routing` and forwards the HTTP request unchanged. The
+router does no model work; it is a small asynchronous proxy (FastAPI in, an
+``httpx.AsyncClient`` out) and only knows what it sees: requests it sent and has not
+seen finish (``ReplicaState.outstanding``), and which replicas answered.
+
+Why a separate router process and not N engines inside one server: a replica is a URL,
+so replicas may run on other machines (one per GPU, one per host) and the router in
+front of them is the same code. ``minivllm serve --data-parallel-size N`` is the
+one-host shortcut (vLLM's option name): N ``minivllm serve`` processes on free local
+ports (:mod:`minivllm.entrypoints.data_parallel`) and this router in front of them on the user's port.
+
+Cache-aware routing needs the prompt's tokens: ``prefix_aware`` hashes the prompt's full
+KV blocks with the prefix cache's own hash, so the router loads the model's *tokenizer*
+(not the model) and applies the chat template exactly as the server does
+(:func:`~minivllm.entrypoints.chat_utils.apply_chat_template`); its ``block_size`` must be the
+replicas'. The other policies never look at the prompt.
+
+Failures. A replica that refuses or drops a connection, or answers 5xx while its
+``/health`` is not 200, leaves the rotation (``healthy = False``, and ``prefix_aware``
+forgets its cache); a background task probes ``/health`` every ``health_interval``
+seconds and brings it back. A request that failed before anything reached the client is
+retried once on another replica; a stream that breaks after its first bytes ends with an
+error event in the server's shape (``data: {"error": {...}}``), since its status line
+has been sent. With no healthy replica the answer is a 503 at once. No request waits on
+a dead replica: connecting times out, and so does a replica silent for ``read_timeout``.
+
+``/metrics`` re-exports every replica's samples with a ``replica`` label, plus the
+router's own: requests per replica, retries, replicas healthy, requests in flight
+(:func:`minivllm.entrypoints.openai.prometheus.render_router_metrics`).
+
+In vLLM: ``vllm serve --data-parallel-size N`` (an internal load balancer across engine
+cores) and, for cache-aware routing across hosts, ``vllm-project/router`` and the
+production stack's router; SGLang's router keeps the same approximate prefix tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.entrypoints.chat_utils import apply_chat_template
+from minivllm.entrypoints.openai.middleware import RequestGuard
+from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_router_metrics
+from minivllm.entrypoints.openai.protocol import APIError
+from minivllm.entrypoints.openai.serving import unless_disconnected
+from minivllm.entrypoints.routing import (
+    NoReplicaAvailable,
+    PrefixAware,
+    ReplicaState,
+    RoutingPolicy,
+    make_policy,
+)
+from minivllm.exceptions import ValidationError
+
+logger = logging.getLogger("minivllm")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per forwarded request
+
+DEFAULT_HEALTH_INTERVAL = 2.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_READ_TIMEOUT = 600.0
+"""Longest silence from a replica mid-request (a long prompt's prefill sends nothing)."""
+
+
+class ReplicaFailed(Exception):
+    """The replica could not serve the request: connection refused, reset, or a 5xx while
+    its /health is not ok."""
+
+
+@dataclass
+class RouterStats:
+    requests: dict[str, int] = field(default_factory=dict)
+    """Requests forwarded, per replica URL (a retried request counts on both)."""
+    retries: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    """Times each replica failed a request and was taken out of rotation."""
+
+
+def normalize_url(url: str) -> str:
+    """``host:8000/v1/`` -> ``http://host:8000``: the replica's root, where /v1 and /health are."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url[:-3].rstrip("/") if url.endswith("/v1") else url
+
+
+# -- the router ------------------------------------------------------------------------------
+class Router:
+    """Chooses a replica per request and forwards it; keeps the replicas' health.
+
+    Invariant: ``replicas[i].outstanding`` counts the requests forwarded to replica i whose
+    response the router has not finished relaying (it is what ``least_outstanding`` and
+    ``prefix_aware``'s saturation test read)."""
+
+    def __init__(self, replica_urls: Sequence[str], policy: RoutingPolicy, tokenizer: Any = None,
+                 health_interval: float = DEFAULT_HEALTH_INTERVAL,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+        urls = [normalize_url(u) for u in replica_urls]
+        if not urls:
+            raise ValidationError("replica", "the router needs at least one --replica URL", None)
+        if len(set(urls)) != len(urls):
+            raise ValidationError("replica", f"a replica is listed twice: {urls}", urls)
+        for name, value in (("health_interval", health_interval), ("connect_timeout", connect_timeout),
+                            ("read_timeout", read_timeout)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValidationError(name, f"{name} must be a number of seconds > 0, got {value!r}", value)
+        if isinstance(policy, PrefixAware) and tokenizer is None:
+            raise ValidationError("routing_policy", "prefix_aware routing needs the model's "
+                                  "tokenizer (--model) to hash the prompt's blocks", None)
+        self.replicas = [ReplicaState(u) for u in urls]
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.health_interval = health_interval
+        self.timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
+        self.stats = RouterStats(requests={u: 0 for u in urls}, failures={u: 0 for u in urls})
+        self.client: httpx.AsyncClient | None = None
+
+    # -- lifecycle (the app's lifespan) --------------------------------------------------
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None))
+        self._prober = asyncio.create_task(self._probe_forever())
+
+    async def stop(self) -> None:
+        self._prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._prober
+        await self.client.aclose()
+
+    # -- health ----------------------------------------------------------------------------
+    def take_out(self, i: int, why: str) -> None:
+        replica = self.replicas[i]
+        if replica.healthy:
+            logger.warning("replica %s is out of rotation: %s", replica.name, why)
+        replica.healthy = False
+        self.stats.failures[replica.name] += 1
+        if isinstance(self.policy, PrefixAware):  # when it comes back its cache is not ours to guess
+            self.policy.forget(replica.name)
+
+    async def is_ok(self, i: int) -> bool:
+        try:
+            r = await self.client.get(self.replicas[i].name + "/health", timeout=2.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            for i, replica in enumerate(self.replicas):
+                if not replica.healthy and await self.is_ok(i):
+                    logger.info("replica %s is back in rotation", replica.name)
+                    replica.healthy = True
+
+    # -- choosing ---------------------------------------------------------------------------
+    def prompt_token_ids(self, path: str, body: Any) -> list[int]:
+        """The token ids the replica will see, for ``prefix_aware``; [] when not needed or
+        when the body is not one the replica would accept (it will say why)."""
+        if self.tokenizer is None or not isinstance(body, dict):
+            return []
+        try:
+            if path.endswith("/chat/completions"):
+                return apply_chat_template(self.tokenizer, body.get("messages"))
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]  # a batch of one, as the server unwraps it
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt, add_special_tokens=False)
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt
+        except (ValidationError, ValueError, TypeError):
+            pass
+        return []
+
+    def choose(self, token_ids: list[int]) -> int:
+        try:
+            i = self.policy.choose(token_ids, self.replicas)
+        except NoReplicaAvailable as e:
+            raise APIError(503, f"{e}; the router retries them every {self.health_interval:g} s",
+                           "service_unavailable", code="no_healthy_replica") from None
+        self.stats.requests[self.replicas[i].name] += 1
+        return i
+
+    # -- forwarding -------------------------------------------------------------------------
+    async def forward(self, request: Request) -> Response:
+        """POST /v1/completions and /v1/chat/completions: at most two tries, on two replicas."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None  # the replica answers the 400
+        streaming = isinstance(body, dict) and body.get("stream") is True
+        token_ids = await asyncio.to_thread(self.prompt_token_ids, request.url.path, body)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        for attempt in (0, 1):
+            i = self.choose(token_ids)
+            replica = self.replicas[i]
+            replica.outstanding += 1
+            try:
+                if streaming:  # lowers outstanding itself, when the relay ends
+                    return await self._stream(i, request.url.path, raw, headers)
+                try:
+                    result = await unless_disconnected(request, self._send(i, request.url.path, raw, headers))
+                finally:
+                    replica.outstanding -= 1
+                return Response(status_code=499) if result is None else result
+            except ReplicaFailed as e:
+                self.take_out(i, str(e))
+                if attempt == 0:
+                    self.stats.retries += 1
+                    continue
+                raise APIError(502, f"the request failed on two replicas; last: {e}", "server_error",
+                               code="replica_failed") from None
+        raise AssertionError("unreachable")
+
+    def _failed(self, i: int, e: Exception | None, status: int | None = None) -> ReplicaFailed:
+        what = f"HTTP {status}" if e is None else f"{type(e).__name__}: {e}"
+        return ReplicaFailed(f"replica {self.replicas[i].name}: {what}")
+
+    async def _send(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
+        try:
+            r = await self.client.post(self.replicas[i].name + path, content=raw, headers=headers)
+        except httpx.TransportError as e:
+            raise self._failed(i, e) from None
+        if r.status_code >= 500 and not await self.is_ok(i):
+            raise self._failed(i, None, r.status_code)
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    async def _stream(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
+        """Wait for the replica's first bytes before answering the client: until then a
+        failure can still be retried elsewhere. After that, relay; a break becomes a last
+        error event. ``outstanding`` falls when the relay ends, however it ends."""
+        replica = self.replicas[i]
+        upstream = None
+        handed_over = False
+        try:
+            req = self.client.build_request("POST", replica.name + path, content=raw, headers=headers)
+            try:
+                upstream = await self.client.send(req, stream=True)
+                if upstream.status_code != 200:  # an error answer, as JSON: relay it whole
+                    content = await upstream.aread()
+                    if upstream.status_code >= 500 and not await self.is_ok(i):
+                        raise self._failed(i, None, upstream.status_code)
+                    return Response(content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type"))
+                chunks = upstream.aiter_raw()
+                first = await chunks.__anext__()
+            except httpx.TransportError as e:
+                raise self._failed(i, e) from None
+            except StopAsyncIteration:
+                raise self._failed(i, None, 200) from None  # a stream that ended before it began
+
+            async def relay() -> AsyncIterator[bytes]:
+                last = first
+                try:
+                    yield first
+                    async for last in chunks:
+                        yield last
+                except httpx.TransportError as e:
+                    self.take_out(i, f"{type(e).__name__}: {e}")
+                    error = APIError(502, f"the replica {replica.name} failed mid-stream "
+                                     f"({type(e).__name__}); the answer is incomplete",
+                                     "server_error", code="replica_failed")
+                    cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+                    yield cut + f"data: {json.dumps({'error': error.as_dict()})}\n\n".encode()
+                finally:
+                    await upstream.aclose()
+                    replica.outstanding -= 1
+
+            handed_over = True
+            return StreamingResponse(relay(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        finally:
+            if not handed_over:  # an error answer, a failure, or the client left: done here
+                if upstream is not None:
+                    await upstream.aclose()
+                replica.outstanding -= 1
+
+    async def get_any(self, path: str, headers: dict) -> Response:
+        """GET passed through to a healthy replica (``/v1/models``)."""
+        for _ in (0, 1):
+            try:  # not the policy: a round robin's turn is for generation requests
+                i = RoutingPolicy.least_loaded(RoutingPolicy.healthy(self.replicas), self.replicas)
+            except NoReplicaAvailable as e:
+                raise APIError(503, str(e), "service_unavailable", code="no_healthy_replica") from None
+            try:
+                r = await self.client.get(self.replicas[i].name + path, headers=headers)
+            except httpx.TransportError as e:
+                self.take_out(i, f"{type(e).__name__}: {e}")
+                continue
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        raise APIError(503, "no replica answered", "service_unavailable", code="no_healthy_replica")
+
+    # -- metrics ----------------------------------------------------------------------------
+    async def metrics_text(self) -> bytes:
+        """Every replica's samples with a ``replica`` label, then the router's own."""
+        async def scrape(url: str) -> str:
+            try:
+                r = await self.client.get(url + "/metrics", timeout=5.0)
+                return r.text if r.status_code == 200 else ""
+            except httpx.HTTPError:
+                return ""
+
+        texts = await asyncio.gather(*(scrape(r.name) for r in self.replicas))
+        return render_router_metrics(self.replicas, texts, self.stats)
+
+
+def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin", *,
+                     model: str | None = None, tokenizer: Any = None, block_size: int = 16,
+                     api_key: str | None = None, max_request_bytes: int | None = 1 << 20,
+                     health_interval: float = DEFAULT_HEALTH_INTERVAL,
+                     read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
+    """The router's FastAPI app (``app.state.router`` is the :class:`Router`). For
+    ``prefix_aware``, give the replicas' ``tokenizer`` or the ``model`` to load it from,
+    and their ``block_size``."""
+    try:
+        policy = make_policy(routing_policy, block_size=block_size)
+    except ValueError as e:
+        raise ValidationError("routing_policy", str(e), routing_policy) from None
+    if isinstance(policy, PrefixAware) and tokenizer is None and model is not None:
+        tokenizer = load_tokenizer(model)
+    router = Router(replicas, policy, tokenizer, health_interval=health_interval, read_timeout=read_timeout)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="minivllm router", version="0.1.0", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.post("/v1/completions")
+    @app.post("/v1/chat/completions")
+    async def generate(request: Request) -> Response:
+        return await router.forward(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        return await router.get_any("/v1/models", auth)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        states = [{"url": r.name, "healthy": r.healthy, "outstanding": r.outstanding} for r in router.replicas]
+        if not any(r.healthy for r in router.replicas):
+            return JSONResponse({"error": APIError(503, "no healthy replica", "service_unavailable").as_dict(),
+                                 "replicas": states}, status_code=503)
+        return JSONResponse({"status": "ok", "routing_policy": router.policy.name, "replicas": states})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await router.metrics_text(), media_type=CONTENT_TYPE)
+
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    return app
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer only (no weights): what ``prefix_aware`` hashes with."""
+    from transformers import AutoTokenizer
+
+    from minivllm.worker.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+
+
+def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.0.1", port: int = 8000,
+               uvicorn_log_level: str = "info", **app_kwargs: Any) -> None:
+    """Serve the router until interrupted (``minivllm router``)."""
+    import uvicorn
+
+    app = build_router_app(replicas, routing_policy, **app_kwargs)
+    logger.info("routing (%s) to %s on http://%s:%d", routing_policy, ", ".join(replicas), host, port)
+    uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
+

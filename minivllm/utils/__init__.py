@@ -1,0 +1,1 @@
+"""Utilities (vLLM: ``vllm/utils/``)."""
