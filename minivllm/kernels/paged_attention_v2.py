@@ -52,26 +52,44 @@ check_interpreter_mode()
 
 
 @triton.jit
+def _load_kv_tile(key_cache_ptr, value_cache_ptr, table_ptr, offs_n, kv_valid, kv_head, offs_d,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The keys and values at positions ``offs_n`` of one KV head, found through the
+    sequence's block table: position ``n`` lives in physical block ``table[n //
+    BLOCK_SIZE]`` at offset ``n % BLOCK_SIZE``. Positions past ``kv_valid`` read as zeros.
+    This is all the paging there is: the rest of the kernel sees plain tiles."""
+    block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+    k = tl.load(key_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :], mask=kv_valid[:, None], other=0.0)
+    v = tl.load(value_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=kv_valid[:, None], other=0.0)
+    return k.to(DOT_DTYPE), v.to(DOT_DTYPE)
+
+
+@triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores ``s`` (base 2, ``-inf`` where masked) and its values ``v``
+    into each row's running max ``m_i``, sum ``l_i`` and output ``acc``: version 1's
+    online softmax, a tile of keys and a tile of rows at a time."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_v2_kernel(
-    out_ptr,
-    query_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel uses exp2
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh,  # query and out: [tokens, heads, head_dim]
+    stride_kb, stride_ks, stride_kh,  # key cache: [blocks, block_size, kv_heads, head_dim]
+    stride_vb, stride_vs, stride_vh,  # value cache: the same layout
+    stride_bt,  # block tables: [seqs, max_blocks_per_seq]
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # rows of the tile: power of two >= BLOCK_Q * GROUP
@@ -113,36 +131,31 @@ def _paged_attention_v2_kernel(
     for start_n in range(0, kv_end, TILE_N):
         offs_n = start_n + tl.arange(0, TILE_N)
         kv_valid = offs_n < kv_end
-        # The block table turns logical key positions into physical cache rows.
-        block = tl.load(
-            block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=kv_valid, other=0
-        ).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k = tl.load(
-            key_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
-            + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_valid[:, None], other=0.0,
-        ).to(DOT_DTYPE)
-        v = tl.load(
-            value_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
-            + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_valid[:, None], other=0.0,
-        ).to(DOT_DTYPE)
+        k, v = _load_kv_tile(key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt,
+                             offs_n, kv_valid, kv_head, offs_d, stride_kb, stride_ks, stride_kh,
+                             stride_vb, stride_vs, stride_vh, BLOCK_SIZE, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N] fp32
         visible = kv_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE, DOT_PRECISION)
     out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
-    )
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Refuse, with a message that says why, what the kernel cannot run."""
+    check_device(query)
+    num_heads, head_dim, num_kv_heads = query.shape[1], query.shape[2], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"paged_attention (Triton) needs a power-of-two head_dim >= 16, got {head_dim}")
+    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
+        raise ValueError(
+            f"paged_attention (Triton) supports float32/float16/bfloat16 with the cache in "
+            f"the query's dtype, got query {query.dtype} and cache {key_cache.dtype}"
+        )
 
 
 def paged_attention(
@@ -160,17 +173,8 @@ def paged_attention(
     layout), so the engine can swap one for the other.
     """
     num_tokens, num_heads, head_dim = query.shape
-    check_device(query)
     _, block_size, num_kv_heads, _ = key_cache.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"paged_attention (Triton) needs a power-of-two head_dim >= 16, got {head_dim}")
-    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
-        raise ValueError(
-            f"paged_attention (Triton) supports float32/float16/bfloat16 with the cache in "
-            f"the query's dtype, got query {query.dtype} and cache {key_cache.dtype}"
-        )
+    _check_inputs(query, key_cache)
     out = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -196,32 +200,12 @@ def paged_attention(
         dot_dtype = tl.float32
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_q_len, block_q))
     _paged_attention_v2_kernel[grid](
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         scale * 1.4426950408889634,  # log2(e)
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        TILE_N=tile_n,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        DOT_DTYPE=dot_dtype,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
     )
     return out

@@ -196,7 +196,6 @@ def paged_attention(
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    gqa = num_heads != num_kv_heads
     if plan is None:
         plan = plan_attention(block_tables, query_start_loc, seq_lens, key_cache.shape[1])
     # One row per cached token (all KV heads side by side): index_select copies rows,
@@ -204,16 +203,12 @@ def paged_attention(
     flat_k = key_cache.view(-1, num_kv_heads * head_dim)
     flat_v = value_cache.view(-1, num_kv_heads * head_dim)
     out = None
-    row = num_kv_heads * head_dim
-    reuse = plan.workspace is not None and plan.workspace.numel() >= plan.workspace_size(row)
+    workspace = plan.workspace
+    if workspace is not None and workspace.numel() < plan.workspace_size(flat_k.shape[1]):
+        workspace = None  # too small for this batch: allocate instead
     for g in plan.decode_groups:
         shape = (g.batch, g.length, num_kv_heads, head_dim)
-        if reuse:  # K into the first half of the scratch, V into the second
-            kv = plan.workspace[: 2 * g.slots.numel() * row].view(2, -1, row)
-            k = torch.index_select(flat_k, 0, g.slots, out=kv[0])
-            v = torch.index_select(flat_v, 0, g.slots, out=kv[1])
-        else:
-            k, v = flat_k.index_select(0, g.slots), flat_v.index_select(0, g.slots)
+        k, v = _gather_decode_kv(g, flat_k, flat_v, workspace)
         k = k.view(shape).transpose(1, 2)  # [B, H_kv, L, D]
         v = v.view(shape).transpose(1, 2)
         # The query heads that share a KV head go in as that head's queries ([B, H_kv,
@@ -229,6 +224,28 @@ def paged_attention(
 
     if out is None:
         out = torch.empty_like(query)
+    _attend_prefills(out, query, key_cache, value_cache, block_tables, plan, scale)
+    return out
+
+
+def _gather_decode_kv(g: DecodeGroup, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                      workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's keys and values, one row per (sequence, position), copied into
+    the plan's scratch when there is one (K in its first half, V in its second), so a
+    step allocates nothing."""
+    if workspace is None:
+        return flat_k.index_select(0, g.slots), flat_v.index_select(0, g.slots)
+    kv = workspace[: 2 * g.slots.numel() * flat_k.shape[1]].view(2, -1, flat_k.shape[1])
+    return (torch.index_select(flat_k, 0, g.slots, out=kv[0]),
+            torch.index_select(flat_v, 0, g.slots, out=kv[1]))
+
+
+def _attend_prefills(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, block_tables: torch.Tensor,
+                     plan: AttentionPlan, scale: float) -> None:
+    """The sequences with several queries (whole prompts and prefill chunks), one SDPA
+    call each, written into their rows of ``out``."""
+    gqa = query.shape[1] != key_cache.shape[2]
     for s, start, q_len, seq_len in plan.prefills:
         q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
         k = gather_kv(key_cache, block_tables[s], seq_len).transpose(0, 1)
@@ -240,4 +257,3 @@ def paged_attention(
             mask = torch.arange(seq_len, device=query.device)[None, :] <= pos_q[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[start : start + q_len] = o.transpose(0, 1)
-    return out

@@ -253,6 +253,16 @@ class SamplingRequest(OpenAIModel):
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
         return names
 
+    def ignored_fields_header(self) -> dict[str, str]:
+        """The response header naming :meth:`ignored_fields` (``{}`` when there are none).
+        A field's name is any JSON string: each is escaped to printable ASCII, as a header
+        must be (a raw "\\r\\n" would start a header of the client's choosing), and the
+        list is cut at 1,000 characters."""
+        value = ",".join(name.encode("unicode_escape").decode("ascii") for name in self.ignored_fields())
+        if len(value) > 1000:
+            value = value[:997] + "..."
+        return {IGNORED_FIELDS_HEADER: value} if value else {}
+
     def check_supported(self) -> None:
         """Raise :class:`UnsupportedField` for the first field asking for something
         this server does not do."""

@@ -126,7 +126,8 @@ class OpenAIServing:
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
-        raise_if_failed(out)
+        if (error := failure(out)) is not None:
+            raise error
         choices = [choice(c, c.text, True) for c in out.outputs]
         if body.return_token_ids:
             for c, ch in zip(out.outputs, choices):
@@ -147,7 +148,8 @@ class OpenAIServing:
         out = await unless_disconnected(request, last_output(stream))
         if out is None:
             return Response(status_code=499)
-        raise_if_failed(out)
+        if (error := failure(out)) is not None:
+            raise error
         choices = []
         for c in out.outputs:
             message = {"role": "assistant", "content": c.text}
@@ -299,12 +301,13 @@ def chat_logprobs(positions: SampleLogprobs, top_logprobs: int) -> dict:
 
 
 # -- helpers for the endpoints -------------------------------------------------------------
-def raise_if_failed(out: RequestOutput) -> None:
-    """A request that finished with finish_reason "error" (any of its n completions) is a
-    500 of its own."""
+def failure(out: RequestOutput) -> APIError | None:
+    """The 500 of a request that finished with finish_reason "error" (any of its n
+    completions), or None."""
     for c in out.outputs:
         if c.finish_reason == "error":
-            raise APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+            return APIError(500, f"the request failed: {c.error}", "server_error", code="request_failed")
+    return None
 
 
 def usage(out: RequestOutput, index: int | None = None) -> dict[str, int]:
@@ -319,17 +322,11 @@ def usage(out: RequestOutput, index: int | None = None) -> dict[str, int]:
 def ignored_fields_header(body: SamplingRequest, request_id: str) -> dict[str, str]:
     """The response header naming the fields this request carried that the server does
     not act on (vLLM's fields it lacks, unknown fields), logged once as vLLM logs them."""
-    # A field's name is any JSON string: escape it to printable ASCII, as a header must
-    # be (a raw "\r\n" would start a header of the client's choosing), and bound the list.
-    names = [name.encode("unicode_escape").decode("ascii") for name in body.ignored_fields()]
-    if not names:
-        return {}
-    value = ",".join(names)
-    if len(value) > 1000:
-        value = value[:997] + "..."
-    logger.warning("request %s: fields accepted but ignored (this server does not act on "
-                   "them): %s", request_id, value.replace(",", ", "))
-    return {IGNORED_FIELDS_HEADER: value}
+    header = body.ignored_fields_header()
+    if header:
+        logger.warning("request %s: fields accepted but ignored (this server does not act on "
+                       "them): %s", request_id, header[IGNORED_FIELDS_HEADER].replace(",", ", "))
+    return header
 
 
 async def last_output(stream: RequestStream) -> RequestOutput:
@@ -381,10 +378,7 @@ def sse(stream: RequestStream, chunk: Callable[[RequestOutput], list[dict]], hea
         # a last event holding an error (the openai client raises it as an APIError).
         try:
             async for out in stream:
-                failed = [c for c in out.outputs if c.finish_reason == "error"]
-                if failed:
-                    error = APIError(500, f"the request failed: {failed[0].error}",
-                                     "server_error", code="request_failed")
+                if (error := failure(out)) is not None:
                     yield f"data: {json.dumps({'error': error.as_dict()})}\n\n"
                     break
                 for data in chunk(out):  # one chunk per choice that progressed
