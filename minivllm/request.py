@@ -47,10 +47,14 @@ class Request:
         eos_token_id: int | None = None,
         prompt: str | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
         """Lower runs first, under the "priority" scheduling policy (ignored under "fcfs")."""
+        self.cache_salt = cache_salt
+        """Mixed into the first block's prefix-cache hash: only requests with the same salt
+        (or none) share cached blocks (vLLM's ``cache_salt``)."""
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -121,6 +121,27 @@ def test_hash_is_a_chain_and_stable():
     assert a == hashlib.sha256(b"" + array("q", [1, 2, 3, 4]).tobytes()).digest()
 
 
+def test_cache_salt_separates_prefixes(model):
+    """vLLM's ``cache_salt``: a prompt hits only blocks cached under the same salt (or,
+    unsalted, only unsalted ones), and the salt changes no token."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(40)]  # 5 full blocks of 8
+    llm = LLM(model, block_size=8)
+    cached = []
+    for salt in ["alice", "alice", "bob", None, None, "bob"]:
+        p = {"prompt_token_ids": prompt} | ({} if salt is None else {"cache_salt": salt})
+        out = llm.generate([p], greedy(4), use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 4)
+        cached.append(out.num_cached_tokens)
+    # First of each salt: nothing; a repeat: every full block but the last token's.
+    assert cached == [0, 32, 0, 0, 32, 32], cached
+    assert all_blocks_free(llm)
+    assert hash_block_tokens(None, [1, 2], "a") != hash_block_tokens(None, [1, 2])
+    for bad in ["", 3]:
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], greedy(1), use_tqdm=False)
+
+
 @pytest.mark.checks("prefix_cache")
 def test_a_block_hits_only_after_the_same_prefix(components):
     """Hashes are a chain: a block whose tokens equal a cached block's, but that follows

@@ -36,15 +36,23 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt})"
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int],
+                      cache_salt: str | None = None) -> bytes:
     """Hash of a full block, chained to its parent's hash.
 
     Because each hash covers the parent's hash, equal hashes mean equal *whole prefixes*,
     not just equal blocks. SHA-256 is stable across processes (Python's ``hash`` of a
     tuple is not, for strings), so a hash computed today matches one computed tomorrow.
+
+    ``cache_salt`` (vLLM's request field) goes into the *first* block's hash only: the
+    chain carries it into every later block, so requests with different salts share no
+    cached block, and a user cannot learn from a fast first token that another user sent
+    the same prompt.
     """
     h = hashlib.sha256(parent_hash or b"")
     h.update(array("q", token_ids).tobytes())
+    if cache_salt is not None:
+        h.update(b"\x00salt:" + cache_salt.encode("utf-8", "surrogatepass"))
     return h.digest()
 
 

@@ -66,13 +66,15 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over every full block of its known tokens: block
         ``i``'s hash covers block ``i - 1``'s hash and its own tokens, so equal hashes
-        mean equal whole prefixes. A partial last block is not hashed (yet)."""
+        mean equal whole prefixes. A partial last block is not hashed (yet). The request's
+        ``cache_salt``, if any, goes into block 0's hash, and so into every hash after it."""
         bs = self.block_size
         hashes = request.block_hashes
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs]))
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks from the request's first token.

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ from transformers import PreTrainedTokenizerBase
 from minivllm.config import EngineConfig
 from minivllm.engine.core_client import EngineCoreClient, InprocClient
 from minivllm.engine.mp_client import AsyncMPClient
-from minivllm.engine.processor import ProcessedPrompt, Processor
+from minivllm.engine.processor import ProcessedPrompt, Processor, check_cache_salt
 from minivllm.exceptions import EngineDeadError, EngineOverloadedError, ValidationError
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.last: RequestOutput | None = None
+        """The latest output handed out (what the request has used so far)."""
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._queue.put_nowait(item)
@@ -97,6 +100,7 @@ class RequestStream:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
+        self.last = item
         if item.finished:
             self.finished = True
             self._engine._streams.pop(self.request_id, None)
@@ -216,7 +220,7 @@ class AsyncLLMEngine:
         free_seats = max(0, self.max_num_seqs - self.num_running)
         return max(0, len(self._adding) + self.client.num_waiting_or_on_the_way - free_seats)
 
-    def _preprocess(self, prompt: Prompt, params: SamplingParams) -> ProcessedPrompt:
+    def _preprocess(self, prompt: Prompt, params: SamplingParams, cache_salt: str | None) -> ProcessedPrompt:
         """Template or tokenize, and check everything the processor checks (on the
         tokenizer thread): bad input is refused before it reaches the engine. A
         ``max_tokens`` that cannot fit is refused too."""
@@ -226,6 +230,8 @@ class AsyncLLMEngine:
             processed = processor.process_chat(prompt)
         else:
             processed = processor.process_prompt(prompt)
+        if cache_salt is not None:
+            processed = dataclasses.replace(processed, cache_salt=check_cache_salt(cache_salt))
         processor.check_request(processed, params)
         n, max_len = len(processed.prompt_token_ids), processor.max_model_len
         if self.reject_over_length and params.max_tokens is not None and 0 < n < max_len < n + params.max_tokens:
@@ -244,9 +250,10 @@ class AsyncLLMEngine:
 
     # -- the public API ---------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
         """Queue a request and return the stream of its outputs (``priority``: lower runs
-        first, with ``scheduling_policy="priority"`` only).
+        first, with ``scheduling_policy="priority"`` only; ``cache_salt``: only requests
+        with the same salt share prefix-cache blocks, and it replaces a dict prompt's own).
 
         Raises :class:`EngineOverloadedError` when ``max_waiting`` requests wait,
         :class:`~minivllm.exceptions.ValidationError` (``param`` names the field) for
@@ -272,7 +279,7 @@ class AsyncLLMEngine:
             loop = asyncio.get_running_loop()
             # Off the stepping thread: a long prompt must not pause everyone's tokens.
             engine_prompt = await loop.run_in_executor(self._tokenizer_pool, self._preprocess,
-                                                       prompt, params)
+                                                       prompt, params, cache_salt)
         except BaseException:  # invalid, or cancelled: nothing was queued
             self._adding.discard(request_id)
             raise

@@ -169,7 +169,7 @@ class EngineCore:
             grammar = self._new_grammar_state(params.structured_outputs)
         request = Request(request_id, prompt.prompt_token_ids, params,
                           self.clock() if arrival_time is None else arrival_time,
-                          self.eos_token_id, prompt.prompt, priority)
+                          self.eos_token_id, prompt.prompt, priority, prompt.cache_salt)
         request.grammar = grammar
         self.scheduler.add_request(request)
         self.trace.requests[request_id] = request.metrics

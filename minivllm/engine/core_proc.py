@@ -68,6 +68,8 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     priority: int = 0
     """Lower runs first (``scheduling_policy="priority"``); the core's scheduler orders by it."""
+    cache_salt: str | None = None
+    """Salts the prompt's prefix-cache hashes (``Request.cache_salt``)."""
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -171,7 +173,8 @@ class EngineCoreProc:
             self.num_added += 1
             try:
                 engine.add_request(message.request_id,
-                                   ProcessedPrompt(message.prompt_token_ids, message.prompt),
+                                   ProcessedPrompt(message.prompt_token_ids, message.prompt,
+                                                   message.cache_salt),
                                    message.params, priority=message.priority)
             except (ValueError, TypeError) as e:  # the server checked it; say so if it slipped
                 self.send(StepOutputs([EngineCoreOutput(message.request_id, [], "error", error=str(e))],

@@ -243,7 +243,7 @@ class AsyncMPClient(EngineCoreClient):
                 child_id, prompt.prompt, ids, params.stop, params.min_tokens, params.logprobs is not None,
                 RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids)))
             self._to_core.send(self._encoder.encode(
-                AddRequest(child_id, list(ids), prompt.prompt, child_params, priority)))
+                AddRequest(child_id, list(ids), prompt.prompt, child_params, priority, prompt.cache_salt)))
             self._num_sent += 1
 
     def abort(self, request_ids: list[str]) -> None:

@@ -33,6 +33,9 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     prompt: str | None = None
     """Its text, when it came as text."""
+    cache_salt: str | None = None
+    """Salts its prefix-cache hashes (vLLM's ``cache_salt``): only prompts with the same
+    salt share cached blocks."""
 
 
 class Processor:
@@ -45,21 +48,23 @@ class Processor:
         self.enable_chunked_prefill = enable_chunked_prefill
 
     def process_prompt(self, prompt: str | dict | ProcessedPrompt) -> ProcessedPrompt:
-        """Text is tokenized; ``{"prompt_token_ids": [...], "prompt": text}`` is checked."""
+        """Text is tokenized; ``{"prompt_token_ids": [...], "prompt": text, "cache_salt":
+        salt}`` is checked (vLLM's ``TokensPrompt``; "prompt" and "cache_salt" optional)."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt"})
+            unknown = sorted(set(prompt) - {"prompt_token_ids", "prompt", "cache_salt"})
             if unknown or "prompt_token_ids" not in prompt:
                 raise ValidationError(
                     "prompt", "a dict prompt takes the key 'prompt_token_ids' (a list of token ids) "
-                              f"and optionally 'prompt' (its text); got the keys {sorted(prompt)}",
-                    sorted(prompt))
+                              "and optionally 'prompt' (its text) and 'cache_salt'; got the keys "
+                              f"{sorted(prompt)}", sorted(prompt))
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise ValidationTypeError(
                     "prompt", f"'prompt' must be a string, got {type(text).__name__}", text)
-            return ProcessedPrompt(self._check_token_ids(prompt["prompt_token_ids"]), text)
+            return ProcessedPrompt(self._check_token_ids(prompt["prompt_token_ids"]), text,
+                                   check_cache_salt(prompt.get("cache_salt")))
         if isinstance(prompt, str):
             return ProcessedPrompt(self._encode(prompt), prompt)
         raise ValidationTypeError(
@@ -147,3 +152,11 @@ def check_priority(priority: object, policy: str) -> int:
                         f"(scheduling_policy={policy!r}; start the engine with "
                         f"scheduling_policy='priority')", priority)
     return priority
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """A prompt's ``cache_salt``: None, or a non-empty string (vLLM's rule)."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValidationError("cache_salt", f"cache_salt must be a non-empty string if given, "
+                              f"got {salt!r}", salt)
+    return salt
