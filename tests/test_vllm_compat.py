@@ -164,7 +164,7 @@ def test_ignored_and_unknown_fields_are_served_and_named(client, path, caplog):
 @pytest.mark.parametrize("path", [C, CHAT])
 @pytest.mark.parametrize("field, value", [
     ("use_beam_search", "yes"), ("length_penalty", "1"), ("truncate_prompt_tokens", 1.5),
-    ("allowed_token_ids", ["a"]), ("cache_salt", 5), ("stream_options", {"continuous_usage_stats": 1}),
+    ("allowed_token_ids", ["a"]), ("cache_salt", 5), ("cache_salt", ""), ("stream_options", {"continuous_usage_stats": 1}),
     ("temperature", -1), ("guided_json", {"type": "object"}),
 ])
 def test_bad_values_of_accepted_fields_are_400_naming_the_field(client, path, field, value):

@@ -42,19 +42,26 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         from minivllm.entrypoints.data_parallel import engine_argv, run_data_parallel
 
+        if args.tenants is not None:  # each replica would keep its own count of each tenant
+            raise SystemExit("minivllm serve: --tenants (per-key limits) cannot be combined with "
+                             "--data-parallel-size: every replica would enforce the limits on its "
+                             "own share, so a tenant would get data-parallel-size times its limit")
         serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
                       "--max-request-bytes", str(args.max_request_bytes),
                       "--engine-process" if args.engine_process else "--no-engine-process",
                       "--uvicorn-log-level", args.uvicorn_log_level]
         if args.api_key is not None:
-            serve_argv += ["--api-key", args.api_key]
+            serve_argv += ["--api-key", *args.api_key]
+        if args.cache_salt_per_key:
+            serve_argv += ["--cache-salt-per-key"]
         run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
                           model=args.model, block_size=args.block_size, api_key=args.api_key,
                           max_request_bytes=args.max_request_bytes,
                           uvicorn_log_level=args.uvicorn_log_level)
         return 0
 
-    run_server(args.host, args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+    run_server(args.host, args.port, api_key=args.api_key, tenants_file=args.tenants,
+               cache_salt_per_key=args.cache_salt_per_key, max_waiting=args.max_waiting,
                max_request_bytes=args.max_request_bytes, engine_process=args.engine_process,
                uvicorn_log_level=args.uvicorn_log_level, **engine_kwargs(args))
     return 0
@@ -124,7 +131,16 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    srv.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1, for any of these keys "
+                          "(several keys, or the flag repeated: each key is a tenant)")
+    srv.add_argument("--tenants", default=None, metavar="FILE",
+                     help='JSON file of tenants: {"tenants": [{"name": ..., "api_key": ..., '
+                          '"max_concurrent_requests": N, "max_tokens_per_minute": N}]}; over a '
+                          "limit, HTTP 429 with Retry-After; usage per tenant in /metrics")
+    srv.add_argument("--cache-salt-per-key", action="store_true",
+                     help="salt each API key's prompts apart in the prefix cache, so no tenant's "
+                          "requests hit blocks another tenant's requests cached")
     srv.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                      help="refuse new requests (HTTP 503) while this many wait for a seat")
     srv.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -154,8 +170,9 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--block-size", type=int, default=16, help="the replicas' KV-cache block size")
     rt.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     rt.add_argument("--port", type=int, default=8000)
-    rt.add_argument("--api-key", default=None,
-                    help="require 'Authorization: Bearer KEY' on /v1 (the header is forwarded)")
+    rt.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1 for any of these keys "
+                         "(the header is forwarded)")
     rt.add_argument("--health-interval", type=float, default=2.0,
                     help="seconds between probes of a replica out of rotation")
     rt.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",

@@ -63,6 +63,7 @@ from minivllm.entrypoints.openai.middleware import RequestGuard
 from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_router_metrics
 from minivllm.entrypoints.openai.protocol import APIError
 from minivllm.entrypoints.openai.serving import unless_disconnected
+from minivllm.entrypoints.openai.tenants import Tenants
 from minivllm.entrypoints.routing import (
     NoReplicaAvailable,
     PrefixAware,
@@ -326,7 +327,7 @@ class Router:
 
 def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin", *,
                      model: str | None = None, tokenizer: Any = None, block_size: int = 16,
-                     api_key: str | None = None, max_request_bytes: int | None = 1 << 20,
+                     api_key: str | Sequence[str] | None = None, max_request_bytes: int | None = 1 << 20,
                      health_interval: float = DEFAULT_HEALTH_INTERVAL,
                      read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
     """The router's FastAPI app (``app.state.router`` is the :class:`Router`). For
@@ -375,7 +376,7 @@ def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin
     async def metrics() -> Response:
         return Response(await router.metrics_text(), media_type=CONTENT_TYPE)
 
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, tenants=Tenants.from_options(api_key), max_request_bytes=max_request_bytes)
     return app
 
 

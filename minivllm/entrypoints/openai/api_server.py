@@ -42,6 +42,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -68,6 +69,7 @@ from minivllm.entrypoints.openai.protocol import (
     bad_request,
 )
 from minivllm.entrypoints.openai.serving import OpenAIServing
+from minivllm.entrypoints.openai.tenants import Tenants
 from minivllm.exceptions import ValidationError
 
 logger = logging.getLogger("minivllm")
@@ -79,6 +81,7 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 _ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in {
     400: "invalid request (param names the field)", 401: "missing or wrong API key",
     404: "unknown model", 413: "request body too large",
+    429: "the API key's tenant is over a limit (Retry-After says when to retry)",
     500: "the request failed in the engine", 503: "too many requests waiting, or the engine stopped",
 }.items()}
 
@@ -103,7 +106,9 @@ def _json_and_sse(model: type) -> dict:
 def build_app(
     llm: LLM | LLMEngine | None = None,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
+    tenants_file: str | None = None,
+    cache_salt_per_key: bool = False,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     served_model_name: str | None = None,
@@ -112,6 +117,10 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app serving ``llm`` (an ``LLM`` or ``LLMEngine``), or an engine built
     from ``llm_kwargs`` (``model=...``, ``max_num_seqs=...``) when it is None.
+
+    ``api_key`` (one or several), ``tenants_file`` and ``cache_salt_per_key``: who may
+    call ``/v1``, with what limits, and whether each key's prompts are cached apart from
+    the others' (``minivllm.entrypoints.openai.tenants``).
 
     ``engine_process``: run the engine core in a process of its own
     (:class:`~minivllm.engine.async_llm.AsyncMPEngine`, what ``minivllm serve`` does); the
@@ -122,7 +131,8 @@ def build_app(
     reachable as ``app.state.engine``. Use one app per server run; an engine given as
     ``llm`` can be served again later by a fresh app.
     """
-    _check_options(api_key, max_request_bytes)
+    _check_options(max_request_bytes)
+    tenants = Tenants.from_options(api_key, tenants_file, cache_salt_per_key)
     if llm is not None and llm_kwargs:
         raise TypeError(f"engine options {sorted(llm_kwargs)} only apply when build_app builds the LLM")
     if llm is not None and engine_process:
@@ -138,7 +148,7 @@ def build_app(
         async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
         model_name = engine.config.model
     http_counts: dict[tuple[str, str], int] = {}
-    serving = OpenAIServing(async_engine, served_model_name or model_name, http_counts)
+    serving = OpenAIServing(async_engine, served_model_name or model_name, http_counts, tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -157,7 +167,7 @@ def build_app(
             "model": ErrorResponse, "description": "a running request still holds cached blocks"}})(
             serving.reset_prefix_cache)
     handlers = {r.path for r in app.routes if hasattr(r, "path")}
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, tenants=tenants, max_request_bytes=max_request_bytes)
     app.add_middleware(CountResponses, counts=http_counts, handlers=handlers)  # outermost: counts 401/413 too
     return app
 
@@ -172,20 +182,18 @@ def dev_mode() -> bool:
     return value == "1"
 
 
-def _check_options(api_key: str | None, max_request_bytes: int | None) -> None:
+def _check_options(max_request_bytes: int | None) -> None:
     if max_request_bytes is not None and (isinstance(max_request_bytes, bool)
                                           or not isinstance(max_request_bytes, int)
                                           or max_request_bytes < 1):
         raise ValidationError("max_request_bytes", f"max_request_bytes must be a positive "
                               f"integer or None, got {max_request_bytes!r}", max_request_bytes)
-    if api_key is not None and (not isinstance(api_key, str) or not api_key):
-        raise ValidationError("api_key", "api_key must be a non-empty string or None", None)
 
 
 def _add_routes(app: FastAPI, serving: OpenAIServing) -> None:
     """The endpoints are :class:`OpenAIServing`'s methods; the decorators' arguments only
     describe them in the OpenAPI schema."""
-    post_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413, 500, 503)}
+    post_errors = {k: _ERRORS[k] for k in (400, 401, 404, 413, 429, 500, 503)}
     app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})(serving.list_models)
     app.post("/v1/completions", response_model=None,
              responses={**_json_and_sse(CompletionResponse), **post_errors})(serving.completions)
@@ -296,13 +304,15 @@ class ServerThread:
         self.stop()
 
 
-def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
+def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Sequence[str] | None = None,
+               tenants_file: str | None = None, cache_salt_per_key: bool = False,
                max_waiting: int | None = DEFAULT_MAX_WAITING,
                max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, engine_process: bool = True,
                uvicorn_log_level: str = "info", **llm_kwargs: Any) -> None:
     """Load the model and serve it until interrupted (what ``minivllm serve`` runs); the
     engine core runs in a process of its own unless ``engine_process`` is False."""
-    app = build_app(api_key=api_key, max_waiting=max_waiting, max_request_bytes=max_request_bytes,
+    app = build_app(api_key=api_key, tenants_file=tenants_file, cache_salt_per_key=cache_salt_per_key,
+                    max_waiting=max_waiting, max_request_bytes=max_request_bytes,
                     engine_process=engine_process, **llm_kwargs)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level)).run()

@@ -184,6 +184,10 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     """vLLM's extension: lower runs first when the server runs with
     ``--scheduling-policy priority``; anything but 0 is refused (400) otherwise."""
+    cache_salt: bounded(str, minLength=1) = None
+    """vLLM's extension: mixed into the prompt's first prefix-cache hash, so only
+    requests with the same salt share cached blocks (and time to first token tells no one
+    what another user sent)."""
 
     presence_penalty: bounded(float, minimum=-2, maximum=2) = None
     frequency_penalty: bounded(float, minimum=-2, maximum=2) = None
@@ -227,8 +231,6 @@ class SamplingRequest(OpenAIModel):
     request_id: str | None = ignored()
     """vLLM names the request with it; here every request gets a fresh id."""
     session_id: str | None = ignored()
-    cache_salt: str | None = ignored()
-    """vLLM salts this request's prefix-cache hashes with it; not implemented here yet."""
     kv_transfer_params: dict[str, Any] | None = ignored()
     ec_transfer_params: dict[str, Any] | None = ignored()
     vllm_xargs: dict[str, Any] | None = ignored()

@@ -1,7 +1,8 @@
 """The server's two ASGI middlewares: what must happen around every request, before any
 endpoint runs or whatever it answers.
 
-* :class:`RequestGuard` settles the API key and the body's size before the body is read.
+* :class:`RequestGuard` settles the API key, the body's size and the tenant's limits
+  before the body is read.
 * :class:`CountResponses` counts responses by handler and status, for ``/metrics``.
 
 Both are plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would get in
@@ -13,10 +14,10 @@ In vLLM (0.34): ``AuthenticationMiddleware`` and the other middleware in
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable
 
 from minivllm.entrypoints.openai.protocol import APIError
+from minivllm.entrypoints.openai.tenants import RateLimited, Tenant, Tenants
 
 
 class CountResponses:
@@ -40,31 +41,36 @@ class CountResponses:
 
 
 class RequestGuard:
-    """What must be settled before a body is read: the API key (on ``/v1``), then the
-    body's size (413 above ``max_request_bytes``).
+    """What must be settled before a body is read: the API key (on ``/v1``), the body's
+    size (413 above ``max_request_bytes``), then the tenant's limits (429 with
+    ``Retry-After``, on ``/v1`` POSTs; ``minivllm.entrypoints.openai.tenants``).
 
     FastAPI reads and parses the body before it resolves an endpoint's dependencies, so a
     key checked there would let anyone without one make the server parse 1 MB of JSON;
-    here the body is not even read. The key is compared as bytes, in constant time:
-    ``secrets.compare_digest`` on two *strings* raises on non-ASCII, and a header is
-    whatever a client sends. A body without ``Content-Length`` (chunked) is read here up
-    to the limit and handed on; one with a ``Content-Length`` over it is refused unread.
+    here the body is not even read. A body without ``Content-Length`` (chunked) is read
+    here up to the limit and handed on; one with a ``Content-Length`` over it is refused
+    unread. An admitted request's seat (a :class:`~minivllm.entrypoints.openai.tenants.Lease`)
+    is put in the request's state for the endpoint, and released when the response has
+    ended, however it ended.
     """
 
-    def __init__(self, app: Callable, api_key: str | None, max_request_bytes: int | None) -> None:
+    def __init__(self, app: Callable, tenants: Tenants | None, max_request_bytes: int | None) -> None:
         self.app = app
-        self.api_key = None if api_key is None else api_key.encode()
+        self.tenants = tenants
         self.max_bytes = max_request_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(headers):
-            error = APIError(401, "invalid or missing API key: send the header "
-                             "'Authorization: Bearer <key>'", "authentication_error",
-                             code="invalid_api_key")
-            return await error.response()(scope, receive, send)
+        tenant = None
+        if self.tenants is not None and scope["path"].startswith("/v1"):
+            tenant = self._tenant(headers)
+            if tenant is None:
+                error = APIError(401, "invalid or missing API key: send the header "
+                                 "'Authorization: Bearer <key>'", "authentication_error",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
         if self.max_bytes is not None and scope["method"] not in ("GET", "HEAD"):
             length = headers.get(b"content-length")
             if length is not None:  # h11 has checked it is a number and the body matches it
@@ -75,11 +81,23 @@ class RequestGuard:
                 if body is None:
                     return await self._too_large(size, scope, receive, send)
                 receive = _replay(body, receive)
-        await self.app(scope, receive, send)
+        if tenant is None or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        try:
+            lease = self.tenants.admit(tenant)
+        except RateLimited as e:
+            response = APIError(429, str(e), "rate_limit_error", code=f"{e.reason}_limit").response()
+            response.headers["Retry-After"] = str(e.retry_after)
+            return await response(scope, receive, send)
+        scope.setdefault("state", {})["tenant_lease"] = lease
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            lease.release()
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+    def _tenant(self, headers: dict[bytes, bytes]) -> Tenant | None:
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+        return self.tenants.authenticate(token.strip()) if scheme.lower() == b"bearer" else None
 
     async def _read(self, receive) -> tuple[bytes | None, int]:
         chunks, size, more = [], 0, True

@@ -32,6 +32,7 @@ from minivllm.engine.async_llm import (
     EngineOverloadedError,
     RequestStream,
 )
+from minivllm.engine.processor import check_cache_salt
 from minivllm.entrypoints.openai.base_protocol import (
     IGNORED_FIELDS_HEADER,
     SamplingRequest,
@@ -39,12 +40,13 @@ from minivllm.entrypoints.openai.base_protocol import (
 )
 from minivllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from minivllm.entrypoints.openai.completion_protocol import CompletionRequest
+from minivllm.entrypoints.openai.logprobs import CompletionLogprobsMaker, chat_logprobs
 from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_metrics
 from minivllm.entrypoints.openai.protocol import APIError, invalid_request
+from minivllm.entrypoints.openai.tenants import Lease, Tenants
 from minivllm.exceptions import ValidationError
 from minivllm.metrics import Counter
-from minivllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from minivllm.sample.logprobs import Logprob
+from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minivllm")
@@ -52,11 +54,13 @@ logger = logging.getLogger("minivllm")
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
-                 http_counts: dict[tuple[str, str], int]) -> None:
+                 http_counts: dict[tuple[str, str], int], tenants: Tenants | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.http_counts = http_counts
         """Responses by (handler, status), counted by ``middleware.CountResponses``."""
+        self.tenants = tenants
+        """The API keys' owners, their limits and usage (None: an open server)."""
 
     # -- what every generating endpoint does first -----------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -71,11 +75,19 @@ class OpenAIServing:
         except (ValidationError, UnsupportedField) as e:
             raise invalid_request(e) from None
 
-    async def start(self, prompt: Any, params: SamplingParams, prefix: str,
-                    prompt_field: str, priority: int = 0) -> RequestStream:
+    async def start(self, request: Request, body: SamplingRequest, prompt: Any, params: SamplingParams,
+                    prefix: str, prompt_field: str) -> RequestStream:
+        """Queue the request; its tenant's seat (``RequestGuard`` admitted it) learns its
+        stream, to charge what it uses, and says which ``cache_salt`` it runs with."""
+        lease: Lease | None = getattr(request.state, "tenant_lease", None)
         try:
-            return await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params,
-                                                 priority)
+            salt = check_cache_salt(body.cache_salt)
+            salt = salt if lease is None else lease.cache_salt(salt)
+            stream = await self.engine.add_request(f"{prefix}-{uuid.uuid4().hex}", prompt, params,
+                                                   body.priority, salt)
+            if lease is not None:
+                lease.stream = stream
+            return stream
         except EngineOverloadedError as e:
             raise APIError(503, str(e), "service_unavailable", code="queue_full") from None
         except (ValueError, TypeError) as e:
@@ -100,7 +112,7 @@ class OpenAIServing:
             prompt = body.engine_prompt()
         except ValidationError as e:
             raise invalid_request(e) from None
-        stream = await self.start(prompt, params, "cmpl", "prompt", body.priority)
+        stream = await self.start(request, body, prompt, params, "cmpl", "prompt")
         headers = ignored_fields_header(body, stream.request_id)
         head = {"id": stream.request_id, "object": "text_completion",
                 "created": int(time.time()), "model": self.model_name}
@@ -138,7 +150,7 @@ class OpenAIServing:
         self.check_model(body.model)
         params = self._chat_sampling_params(body)
         messages = [m.model_dump() for m in body.messages]  # checked by chat_utils, off the loop
-        stream = await self.start(messages, params, "chatcmpl", "messages", body.priority)
+        stream = await self.start(request, body, messages, params, "chatcmpl", "messages")
         headers = ignored_fields_header(body, stream.request_id)
         head = {"id": stream.request_id, "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name}
@@ -198,6 +210,7 @@ class OpenAIServing:
         records = await self.engine.get_metrics() if self.engine.error is None else []
         records += [Counter("minivllm:http_requests", n, {"handler": h, "status": s})
                     for (h, s), n in sorted(self.http_counts.items())]
+        records += self.tenants.records() if self.tenants is not None else []
         return Response(render_metrics(records), media_type=CONTENT_TYPE)
 
 
@@ -251,53 +264,6 @@ class ChoiceDeltas:
                 self.done.add(c.index)
             result.append((c, text, final, first))
         return result
-
-
-# -- logprobs in OpenAI's shapes -------------------------------------------------------------
-def _openai_logprob(value: float) -> float:
-    """OpenAI's stand-in for a logprob of -inf (JSON has no infinity)."""
-    return max(value, -9999.0)
-
-
-class CompletionLogprobsMaker:
-    """The completions endpoint's ``logprobs`` for the positions not yet sent (all of them
-    at once without streaming, each chunk's own when streaming). ``text_offset`` counts
-    the characters of the tokens before, over the whole completion (vLLM's rule)."""
-
-    def __init__(self) -> None:
-        self.num_sent = 0
-        self.text_offset = 0
-
-    def __call__(self, positions: SampleLogprobs) -> dict:
-        tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-        for position in positions[self.num_sent:]:
-            chosen = next(iter(position.values()))  # the chosen token comes first
-            token = chosen.decoded_token or ""
-            tokens.append(token)
-            token_logprobs.append(_openai_logprob(chosen.logprob))
-            top_logprobs.append({p.decoded_token or "": _openai_logprob(p.logprob)
-                                 for p in position.values()})
-            text_offset.append(self.text_offset)
-            self.text_offset += len(token)
-        self.num_sent = len(positions)
-        return {"tokens": tokens, "token_logprobs": token_logprobs,
-                "top_logprobs": top_logprobs, "text_offset": text_offset}
-
-
-def chat_logprobs(positions: SampleLogprobs, top_logprobs: int) -> dict:
-    """The chat endpoint's ``logprobs``: per token its text, logprob and UTF-8 bytes, and
-    the ``top_logprobs`` most likely tokens there (by rank; the chosen one only if it is
-    among them)."""
-    def entry(p: Logprob) -> dict:
-        token = p.decoded_token or ""
-        return {"token": token, "logprob": _openai_logprob(p.logprob), "bytes": list(token.encode())}
-
-    content = []
-    for position in positions:
-        chosen = next(iter(position.values()))
-        top = sorted(position.values(), key=lambda p: p.rank)[:top_logprobs]
-        content.append({**entry(chosen), "top_logprobs": [entry(p) for p in top]})
-    return {"content": content}
 
 
 # -- helpers for the endpoints -------------------------------------------------------------
