@@ -241,11 +241,38 @@ def test_killed_core_gives_clear_errors_and_health_500(offline):
             os.kill(app.state.engine.pid, signal.SIGKILL)
             rest = [line for line in lines if line]
         last = json.loads(rest[-1][6:])
-        assert "exited" in last["error"]["message"], last
+        dead = "the engine core process was killed by SIGKILL"
+        assert dead in last["error"]["message"], last
         health = client.get("/health")
-        assert health.status_code == 500 and "exited" in health.json()["error"]["message"]
+        assert health.status_code == 500 and dead in health.json()["error"]["message"]
         r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+
+
+UNGUARDED_SERVER = """
+import sys, time, httpx
+from minivllm.entrypoints.openai.api_server import ServerThread, build_app
+
+app = build_app(max_num_seqs=4, log_stats_interval=None)  # no __main__ guard
+with ServerThread(app) as server:
+    while (health := httpx.get(server.url + "/health")).status_code == 503:
+        time.sleep(0.1)
+    print(health.status_code, health.json()["error"]["message"], flush=True)
+    stopping = time.monotonic()
+print(f"stopped in {time.monotonic() - stopping:.1f} s", flush=True)
+"""
+
+
+def test_a_server_script_without_the_main_guard_is_told_so(tmp_path):
+    """The engine core re-imports the script and would build a server of its own: it
+    exits at once, /health says why (naming the guard), and the server still stops."""
+    path = tmp_path / "serve_unguarded.py"
+    path.write_text(UNGUARDED_SERVER)
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    status, _, message = proc.stdout.partition(" ")
+    assert proc.returncode == 0 and status == "500", proc.stdout + proc.stderr[-2000:]
+    assert "engine core process exited while starting" in message and str(path) in message
+    assert 'if __name__ == "__main__":' in message
 
 
 def children_of(pid: int) -> list[int]:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-from helpers import hf_greedy, random_workload, run_engine
+from helpers import all_blocks_free, hf_greedy, random_workload, run_engine
 
-from minivllm import LLM, EngineConfig
+from minivllm import LLM, EngineConfig, SamplingParams
 from minivllm.exceptions import ValidationError
 from minivllm.worker.model_loader import make_tiny_model
 
@@ -158,6 +160,44 @@ def test_workers_end_when_the_engine_process_is_killed_or_interrupted(tmp_path, 
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 1, proc.stderr
     assert wait_gone(pids, timeout=10)
+
+
+UNGUARDED = """
+from minivllm import LLM
+from minivllm.worker.model_loader import make_tiny_model
+
+llm = LLM(make_tiny_model("llama", num_attention_heads=4, num_key_value_heads=2),
+          tensor_parallel_size=2, log_stats_interval=0, linear_backend="torch")
+print("built", flush=True)
+"""
+
+
+def test_a_script_without_the_main_guard_is_told_so_in_seconds(tmp_path):
+    """The worker re-imports the script (forkserver, spawn) and would build the LLM again:
+    it exits at once, and the parent names the missing guard instead of waiting on it."""
+    path = tmp_path / "unguarded.py"
+    path.write_text(UNGUARDED)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                          cwd=os.getcwd())
+    assert proc.returncode != 0 and "built" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: tensor-parallel worker 1"), proc.stderr[-2000:]
+    assert str(path) in last and 'if __name__ == "__main__":' in last
+    print(f"told in {time.monotonic() - start:.1f} s")  # the bound is the subprocess timeout
+
+
+def test_a_worker_killed_mid_step_is_named_at_once():
+    llm = LLM(make_tiny_model("llama", vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2),
+              tensor_parallel_size=2, log_stats_interval=0, linear_backend="torch")
+    pid = llm.llm_engine.executor.worker_pids[0]
+    timer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+    timer.start()
+    with pytest.raises(RuntimeError, match=f"worker 1 \\(pid {pid}\\) was killed by SIGKILL"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4,
+                     SamplingParams(max_tokens=100_000, ignore_eos=True), use_tqdm=False)
+    timer.join()
+    assert all_blocks_free(llm)  # the failed step's requests were finished, their blocks freed
 
 
 @pytest.mark.real_model

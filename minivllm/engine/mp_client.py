@@ -61,7 +61,7 @@ from minivllm.exceptions import EngineDeadError, ValidationError
 from minivllm.metrics import RequestMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.utils.system_utils import get_mp_context, with_environment
+from minivllm.utils.system_utils import describe_exit, get_mp_context, with_environment
 from minivllm.worker.model_loader import resolve_model_dir
 
 logger = logging.getLogger("minivllm")
@@ -159,11 +159,12 @@ class AsyncMPClient(EngineCoreClient):
             pass
         process = self._process
         if process.is_alive():
-            try:
-                await self._to_core.send(self._encoder.encode(Shutdown()))
-            except zmq.ZMQError:
-                pass
-            await asyncio.to_thread(process.join, 10)
+            try:  # NOBLOCK: with no core connected (still starting, or dying) a send waits forever
+                await self._to_core.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+                await asyncio.to_thread(process.join, 10)
+            except zmq.ZMQError:  # no core to hear it: stop the process instead
+                process.terminate()
+                await asyncio.to_thread(process.join, 5)
         if process.is_alive():  # it did not go in time
             process.kill()
             await asyncio.to_thread(process.join, 5)
@@ -177,8 +178,7 @@ class AsyncMPClient(EngineCoreClient):
         """The core's next message; EngineDeadError if its process has ended."""
         while not await self._from_core.poll(IDLE_POLL_MS):
             if not self._process.is_alive():
-                raise EngineDeadError(f"the engine core process exited (exit code "
-                                      f"{self._process.exitcode})")
+                raise EngineDeadError(describe_exit("the engine core process", self._process.exitcode))
         message = self._decoder.decode(await self._from_core.recv())
         if isinstance(message, Failed):
             raise EngineDeadError(f"the engine core failed: {message.error}")

@@ -69,7 +69,12 @@ from minivllm.distributed.parallel_state import (
 )
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size, shard_model
 from minivllm.executor.abstract import Executor
-from minivllm.utils.system_utils import get_mp_context, parent_alive, with_environment
+from minivllm.utils.system_utils import (
+    describe_exit,
+    get_mp_context,
+    parent_alive,
+    with_environment,
+)
 from minivllm.worker.attention import ATTN_IMPLEMENTATION, AttentionMetadata, get_attn_backend
 from minivllm.worker.linear_plan import LinearPlan, planned_linear
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -266,8 +271,12 @@ class MultiprocExecutor(Executor):
             # is one shared-memory handle per tensor, hundreds of them, more than a fork
             # server passes along with a start (256). Pickled now: the model may change after.
             for rank, conn in enumerate(self.conns, start=1):
-                conn.send(WorkerArgs(rank, t, store.port, cpu_model, device.type, attention_backend,
-                                     kv_cache_shape, num_layers, dtype, linear_plan, threads))
+                try:
+                    conn.send(WorkerArgs(rank, t, store.port, cpu_model, device.type, attention_backend,
+                                         kv_cache_shape, num_layers, dtype, linear_plan, threads))
+                except OSError:  # the worker is gone (its pipe is broken): say why
+                    self.processes[rank - 1].join(10)
+                    raise self._dead(rank) from None
             self._wait_all("loaded", STARTUP_TIMEOUT_S)
             self.group = init_tensor_parallel_group(store, 0, t, device)
             self.sharded = shard_model(model, self.group)
@@ -288,14 +297,19 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + timeout
         while not conn.poll(POLL_S):
             if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel worker {rank} (pid {process.pid}) died "
-                                   f"(exit code {process.exitcode})")
+                raise self._dead(rank)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel worker {rank} did not answer in {timeout:.0f} s")
         try:
             return conn.recv()
-        except EOFError:
-            raise RuntimeError(f"tensor-parallel worker {rank} closed its pipe") from None
+        except (EOFError, OSError):  # its end of the pipe closed: it is exiting, say why
+            process.join(10)
+            raise self._dead(rank) from None
+
+    def _dead(self, rank: int) -> RuntimeError:
+        process = self.processes[rank - 1]
+        return RuntimeError(describe_exit(f"tensor-parallel worker {rank} (pid {process.pid})",
+                                          process.exitcode))
 
     def _wait_all(self, expected: str, timeout: float) -> list[object]:
         answers = []
@@ -321,8 +335,12 @@ class MultiprocExecutor(Executor):
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)
             parallel = self.finish_step(time.perf_counter() - t0)
-        except BaseException:  # the ranks are out of step: the group is done
+        except BaseException as e:  # the ranks are out of step: the group is done
+            time.sleep(0.1)  # a worker that died broke the all-reduce: let it be reaped
+            dead = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
             self.shutdown(grace=0)
+            if dead and isinstance(e, Exception):  # say which worker, not only gloo's "reset by peer"
+                raise self._dead(dead[0]) from e
             raise
         output = runner.sample_step(step, logits)
         output.parallel = parallel

@@ -21,7 +21,12 @@ restore: the environment as it is *now* (the server copied ours when it started)
 the server, so ``os.getppid()`` says nothing about us), see :func:`parent_alive`.
 
 Both methods re-import the script that started them (as ``__mp_main__``): a script that
-starts an engine core needs the usual ``if __name__ == "__main__":`` guard.
+starts an engine core needs the usual ``if __name__ == "__main__":`` guard. Without it,
+the child runs the script's ``LLM(...)`` again while it is still starting and tries to
+start processes of its own. :func:`get_mp_context` notices this in the child and exits
+it with :data:`EXIT_MAIN_REIMPORTED`. The parent, which sees only an exit code, then
+names the missing guard (:func:`describe_exit`) instead of waiting on a child that will
+never answer.
 
 In vLLM: ``get_mp_context()`` in ``vllm/utils/system_utils.py`` (``fork`` by default,
 ``spawn`` once CUDA is initialised, set by ``VLLM_WORKER_MULTIPROC_METHOD``), and the
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 
@@ -40,8 +47,21 @@ PRELOAD = ("torch", "transformers.modeling_utils")
 always runs the package as it is on disk when the child starts)."""
 
 
+EXIT_MAIN_REIMPORTED = 121
+"""The exit code of a child that was re-importing the parent's script when the script
+asked for a process of its own (the missing ``__main__`` guard)."""
+
+
 def get_mp_context() -> BaseContext:
-    """``forkserver`` (preloading :data:`PRELOAD`) where available, else ``spawn``."""
+    """``forkserver`` (preloading :data:`PRELOAD`) where available, else ``spawn``.
+
+    Called before every process minivllm starts. In a child that is still re-importing
+    the parent's script (``multiprocessing`` marks such a process ``_inheriting``), it
+    explains why on stderr and exits with :data:`EXIT_MAIN_REIMPORTED`. The exit is
+    ``os._exit``, because a fork server's child turns an exception into exit code 1."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        print(f"minivllm: {missing_guard_advice()}", file=sys.stderr, flush=True)
+        os._exit(EXIT_MAIN_REIMPORTED)
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
@@ -72,3 +92,23 @@ def parent_alive() -> bool:
     exits, however it exits (``spawn`` and ``forkserver`` alike)."""
     parent = multiprocessing.parent_process()
     return parent is None or parent.is_alive()
+
+
+def missing_guard_advice() -> str:
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "the script"
+    return (f"{main} builds an engine when it is imported. minivllm starts its processes with "
+            f"multiprocessing's forkserver or spawn, and both import the main script again in "
+            f"the new process, so the script ran once more there. Put the code that builds the "
+            f"engine under `if __name__ == \"__main__\":`.")
+
+
+def describe_exit(what: str, exitcode: int | None) -> str:
+    """Why a child process of ours is gone, for the error its parent raises."""
+    if exitcode == EXIT_MAIN_REIMPORTED:
+        return f"{what} exited while starting: {missing_guard_advice()}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"{what} was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"{what} exited (exit code {exitcode})"
