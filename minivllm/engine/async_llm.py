@@ -46,7 +46,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
@@ -133,6 +133,9 @@ class AsyncLLMEngine:
         self._adding: set[str] = set()
         """Ids being tokenized, not yet handed to the client (which counts them from then)."""
         self._started = False
+        self.on_death: list[Callable[[BaseException], None]] = []
+        """Called (on the event loop) with the error when the engine dies: ``minivllm
+        serve`` stops the server then, as vLLM's does."""
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -170,6 +173,8 @@ class AsyncLLMEngine:
         for stream in self._streams.values():
             stream.put(EngineDeadError(f"the engine failed: {error}"))
         self._streams.clear()
+        for callback in self.on_death:
+            callback(error)
 
     # -- what the server reads ----------------------------------------------------------
     @property

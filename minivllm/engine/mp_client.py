@@ -16,6 +16,10 @@
 * **Death.** If the core process exits (a failed step, a kill, out of memory), ``error``
   is set, ``/health`` answers 500 and every open stream ends with
   :class:`~minivllm.exceptions.EngineDeadError`; the reader notices within ``IDLE_POLL_MS``.
+  A core that is alive but silent while requests are in flight (stopped with SIGSTOP,
+  stuck in a system call) looks the same to its process table. So it gets
+  ``VLLM_ENGINE_ITERATION_TIMEOUT_S`` seconds (vLLM's variable, 60 by default) between two
+  messages. After that it is killed and counted dead too, so no request waits forever.
 * **Shutdown.** ``Shutdown`` to the core, a join, and a kill if it does not go.
 
 In vLLM: ``vllm/v1/engine/core_client.py`` (``AsyncMPClient``) and the
@@ -31,6 +35,7 @@ import multiprocessing
 import os
 import pickle
 import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -95,6 +100,8 @@ class AsyncMPClient(EngineCoreClient):
         self._num_added = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self.iteration_timeout_s = iteration_timeout_s()
+        """The longest the core may stay silent while it has work (see the module's docstring)."""
 
     @property
     def is_ready(self) -> bool:
@@ -175,10 +182,22 @@ class AsyncMPClient(EngineCoreClient):
 
     # -- the reader ----------------------------------------------------------------------------
     async def _receive(self) -> FromCore:
-        """The core's next message; EngineDeadError if its process has ended."""
+        """The core's next message; EngineDeadError if its process has ended, or has been
+        silent for ``iteration_timeout_s`` while requests or calls were in flight."""
+        quiet_since = time.monotonic()
         while not await self._from_core.poll(IDLE_POLL_MS):
             if not self._process.is_alive():
                 raise EngineDeadError(describe_exit("the engine core process", self._process.exitcode))
+            in_flight = len(self.output_processor.request_states) + len(self._calls)
+            if not in_flight or self._ready is None:  # idle, or loading the model: silence is fine
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > self.iteration_timeout_s:
+                self._process.kill()  # SIGKILL: a stopped process does not act on SIGTERM
+                raise EngineDeadError(
+                    f"the engine core process (pid {self._process.pid}) sent nothing for "
+                    f"{self.iteration_timeout_s:g} s with {in_flight} request(s) or call(s) in flight: "
+                    f"stopped, or stuck? It was killed; VLLM_ENGINE_ITERATION_TIMEOUT_S "
+                    f"sets this bound")
         message = self._decoder.decode(await self._from_core.recv())
         if isinstance(message, Failed):
             raise EngineDeadError(f"the engine core failed: {message.error}")
@@ -266,3 +285,16 @@ class AsyncMPClient(EngineCoreClient):
         self._calls[call_id] = future
         await self._to_core.send(self._encoder.encode(Utility(call_id, method)))
         return await future
+
+
+def iteration_timeout_s() -> float:
+    """``VLLM_ENGINE_ITERATION_TIMEOUT_S`` (vLLM's name; default 60): a positive number."""
+    value = os.environ.get("VLLM_ENGINE_ITERATION_TIMEOUT_S", "60")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValidationError("VLLM_ENGINE_ITERATION_TIMEOUT_S", "VLLM_ENGINE_ITERATION_TIMEOUT_S "
+                              f"must be a positive number of seconds, got {value!r}", value)
+    return seconds

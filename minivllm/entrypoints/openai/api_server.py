@@ -310,9 +310,31 @@ def run_server(host: str = "127.0.0.1", port: int = 8000, *, api_key: str | Sequ
                max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, engine_process: bool = True,
                uvicorn_log_level: str = "info", **llm_kwargs: Any) -> None:
     """Load the model and serve it until interrupted (what ``minivllm serve`` runs); the
-    engine core runs in a process of its own unless ``engine_process`` is False."""
+    engine core runs in a process of its own unless ``engine_process`` is False.
+
+    If the engine dies, the server stops and the process exits with status 1, saying why,
+    so that a supervisor (systemd, Kubernetes, a router's health checks) sees a dead
+    server rather than one that answers 500 forever. This is vLLM's behaviour, and so is
+    ``VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1``, which keeps the server up instead."""
+    keep_alive = os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0").strip()
+    if keep_alive not in ("0", "1", ""):
+        raise ValidationError("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH "
+                              f"must be 0 or 1, got {keep_alive!r}", keep_alive)
     app = build_app(api_key=api_key, tenants_file=tenants_file, cache_salt_per_key=cache_salt_per_key,
                     max_waiting=max_waiting, max_request_bytes=max_request_bytes,
                     engine_process=engine_process, **llm_kwargs)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
+    died: list[BaseException] = []
+
+    def stop(error: BaseException) -> None:
+        died.append(error)
+        logger.error("the engine died (%s): the server stops and exits with status 1 "
+                     "(VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up, answering 500)", error)
+        server.should_exit = True
+
+    if keep_alive != "1":
+        app.state.engine.on_death.append(stop)
     logger.info("serving on http://%s:%d (OpenAI base_url http://%s:%d/v1)", host, port, host, port)
-    _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level)).run()
+    server.run()
+    if died:
+        raise SystemExit(1)
