@@ -26,7 +26,8 @@ from tiny_chat import deadline  # noqa: E402
 
 from minivllm.entrypoints.data_parallel import LocalReplicas, free_port  # noqa: E402
 from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
-from minivllm.entrypoints.router import build_router_app, load_tokenizer  # noqa: E402
+from minivllm.entrypoints.router import build_router_app  # noqa: E402
+from minivllm.worker.model_loader import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -373,7 +374,7 @@ def test_bench_router_prefix_aware_hits_more_with_the_same_outputs(tiny_dir):
 # -- options ---------------------------------------------------------------------------------
 def test_router_options_are_checked_and_urls_normalised():
     from minivllm.entrypoints.data_parallel import engine_argv
-    from minivllm.entrypoints.router import normalize_url
+    from minivllm.entrypoints.routing import normalize_url
     from minivllm.exceptions import ValidationError
 
     assert normalize_url("10.0.0.2:8000/v1/") == "http://10.0.0.2:8000"

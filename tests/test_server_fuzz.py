@@ -1,21 +1,27 @@
 """No request can hurt another, over HTTP (issue 16): a bad-input matrix and a fuzzer.
 
-One server (a tiny random model behind SmolLM2's tokenizer and chat template) takes a
+A server (a tiny random model behind SmolLM2's tokenizer and chat template) takes a
 matrix of hostile requests, each of which must get a 4xx naming the field, and then
 schemathesis (https://schemathesis.readthedocs.io), which generates requests from the
 server's own OpenAPI schema, valid and invalid, bounded and derandomized, with the checks
 "no 5xx" and "the response matches the schema". After each, a greedy canary must still
 return the text it returned before, and ``/health`` must say the engine is fine.
+
+Every test runs against three designs (issue 35: what users run is what must be proven):
+the engine on a thread of the server, the engine core in its own process (what
+``minivllm serve`` runs), and the router in front of two ``minivllm serve`` replicas, fuzzed
+with a replica's schema (the router forwards the requests unchanged).
 """
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_chat import CANARY_PARAMS, CANARY_PROMPT, canary, tiny_chat_llm
+from tiny_chat import CANARY_PARAMS, CANARY_PROMPT, canary, save_tiny_chat, tiny_chat_llm
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -27,7 +33,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
+from minivllm.entrypoints.data_parallel import LocalReplicas  # noqa: E402
 from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
+from minivllm.entrypoints.router import build_router_app  # noqa: E402
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,19 +45,71 @@ MSG = [{"role": "user", "content": "What is the capital of France?"}]
 NAN_BODY = b'{"prompt": "hi", "temperature": NaN}'
 
 
-@pytest.fixture(scope="module")
-def served():
-    """(server, the canary's text before any abuse)."""
-    llm = tiny_chat_llm(max_model_len=64, max_num_seqs=16)
+class Target:
+    """A server under test: its ``url``, where its schema is, and what is fine inside it."""
+
+    def __init__(self, url: str, schema_url: str, replica_urls: list[str], expected: str,
+                 paths: str = ".*") -> None:
+        self.url, self.schema_url, self.replica_urls, self.expected = url, schema_url, replica_urls, expected
+        self.paths = paths
+        """The schema's paths this target answers as documented (the router answers /health
+        and /metrics for the fleet, in shapes of its own)."""
+
+    def schema(self):
+        return schemathesis.openapi.from_url(self.schema_url).include(path_regex=self.paths)
+
+    def engines_are_fine(self) -> None:
+        """Every engine behind it alive and, once idle, holding no KV block."""
+        for url in self.replica_urls:
+            health = httpx.get(url + "/health", timeout=60)
+            assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+            deadline = time.monotonic() + 60
+            while (usage := _gauge(url, "minivllm:kv_cache_usage_perc")) != 0:
+                assert time.monotonic() < deadline, f"KV blocks still in use at {url}: {usage}"
+                time.sleep(0.05)
+
+
+def _gauge(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in {url}/metrics")
+
+
+SERVER = dict(max_model_len=64, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module", params=["thread", pytest.param("process", marks=pytest.mark.multiprocess),
+                                        pytest.param("router", marks=pytest.mark.multiprocess)])
+def served(request, tmp_path_factory):
+    """The :class:`Target` of one design, with the canary's text from before any abuse."""
+    llm = tiny_chat_llm(**SERVER)
     expected = canary(llm)
-    app = build_app(llm, api_key=KEY, max_waiting=64, max_request_bytes=MAX_BYTES)
-    with ServerThread(app) as server:
-        yield server, expected
+    if request.param == "thread":
+        with ServerThread(build_app(llm, api_key=KEY, max_waiting=64, max_request_bytes=MAX_BYTES)) as server:
+            yield Target(server.url, server.url + "/openapi.json", [server.url], expected)
+        return
+    model_dir = save_tiny_chat(tmp_path_factory.mktemp("fuzz-model"))  # the same seeded weights
+    if request.param == "process":
+        app = build_app(model=model_dir, api_key=KEY, max_waiting=64, max_request_bytes=MAX_BYTES,
+                        log_stats_interval=None, **SERVER)
+        with ServerThread(app) as server:
+            while httpx.get(server.url + "/health").status_code == 503:  # the core loads
+                time.sleep(0.1)
+            yield Target(server.url, server.url + "/openapi.json", [server.url], expected)
+        return
+    argv = ["--model", model_dir, "--api-key", KEY, "--max-waiting", "64", "--max-request-bytes",
+            str(MAX_BYTES), "--max-model-len", "64", "--max-num-seqs", "16", "--log-stats-interval", "0",
+            "--uvicorn-log-level", "warning"]
+    with LocalReplicas(2, argv, startup_timeout=120) as local:
+        app = build_router_app(local.urls, "round_robin", api_key=KEY, max_request_bytes=MAX_BYTES)
+        with ServerThread(app) as router:
+            yield Target(router.url, local.urls[0] + "/openapi.json", local.urls, expected, paths="^/v1/")
 
 
 @pytest.fixture()
 def client(served):
-    with httpx.Client(base_url=served[0].url, headers=AUTH, timeout=60) as c:
+    with httpx.Client(base_url=served.url, headers=AUTH, timeout=60) as c:
         yield c
 
 
@@ -60,13 +120,13 @@ def http_canary(client) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def engine_is_fine(client, served) -> None:
-    """The engine is alive, idle, and answers exactly as before."""
-    server, expected = served
-    assert server.app.state.engine.error is None
+def engine_is_fine(client, served: Target) -> None:
+    """The engines are alive, hold no blocks once idle, and answer exactly as before."""
+    served.engines_are_fine()
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
-    assert http_canary(client) == expected
+    for _ in served.replica_urls:  # through the router: round robin asks each replica
+        assert http_canary(client) == served.expected
 
 
 # -- the matrix ------------------------------------------------------------------------------
@@ -158,7 +218,7 @@ NOT_AUTHORIZED = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
 def test_bad_input_matrix_over_http(served, client):
     """Every case is refused with its status, ``param`` naming the field, and OpenAI's
     error shape; the engine never notices."""
-    server, _ = served
+    server = served
     engine_is_fine(client, served)
     statuses: dict[int, int] = {}
     for path, body, status, param in CASES:
@@ -214,7 +274,7 @@ def test_former_engine_killers_are_served_greedy(served, client, extra):
     body = {"prompt": CANARY_PROMPT, **CANARY_PARAMS, **extra}
     r = client.post(C, json=body)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == served[1]
+    assert r.json()["choices"][0]["text"] == served.expected
     engine_is_fine(client, served)
 
 
@@ -242,7 +302,7 @@ FUZZ_EXAMPLES = 300
 
 
 def test_fuzzed_requests_never_get_a_5xx_and_match_the_schema(served, client):
-    schema = schemathesis.openapi.from_url(served[0].url + "/openapi.json")
+    schema = served.schema()
     strategy = st.one_of(schema.as_strategy(GenerationMode.POSITIVE),
                          schema.as_strategy(GenerationMode.NEGATIVE))
     by_status: dict[int, int] = {}
@@ -253,7 +313,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_match_the_schema(served, client):
     @given(case=strategy)
     def fuzz(case):
         response = case.call_and_validate(
-            headers=AUTH, timeout=60,
+            base_url=served.url, headers=AUTH, timeout=60,
             checks=[not_a_server_error, response_schema_conformance, status_code_conformance])
         by_status[response.status_code] = by_status.get(response.status_code, 0) + 1
         label = f"{case.method} {case.path}"
@@ -263,9 +323,8 @@ def test_fuzzed_requests_never_get_a_5xx_and_match_the_schema(served, client):
     examples = sum(by_status.values())
     assert examples >= FUZZ_EXAMPLES // 2, by_status  # hypothesis may stop early on its own
     assert by_status.get(200, 0) >= 20 and by_status.get(400, 0) >= 20, by_status
-    assert len(by_operation) == 5, by_operation
+    assert len(by_operation) == (5 if served.paths == ".*" else 3), by_operation
     engine_is_fine(client, served)
-    assert served[0].app.state.engine.kv_cache_usage == 0
     print(f"\nschemathesis examples run: {examples}, by status {by_status}, by operation {by_operation}")
 
 
@@ -274,9 +333,9 @@ def test_fuzzed_requests_never_get_a_5xx_and_match_the_schema(served, client):
 def test_a_stream_matches_the_schema_it_documents(served, path, body):
     """A streamed 200 checked on purpose, not left to the fuzzer's draw: schemathesis reads
     each server-sent event against the schema the server documents for text/event-stream."""
-    schema = schemathesis.openapi.from_url(served[0].url + "/openapi.json")
+    schema = served.schema()
     case = schema[path]["POST"].Case(body=body, media_type="application/json")
-    response = case.call_and_validate(headers=AUTH, timeout=60,
+    response = case.call_and_validate(base_url=served.url, headers=AUTH, timeout=60,
                                       checks=[not_a_server_error, response_schema_conformance])
     assert response.status_code == 200
     assert response.headers["content-type"][0].startswith("text/event-stream")

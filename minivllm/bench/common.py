@@ -6,21 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from minivllm.worker.model_loader import DEFAULT_MODEL
+from minivllm.worker.model_loader import load_tokenizer  # noqa: F401  (the modes import it from here)
 
 ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
 """The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
 
 FIGURES = Path("figures")
-
-
-def load_tokenizer(model: str = DEFAULT_MODEL):
-    """The tokenizer alone (no weights loaded), for building workloads."""
-    from transformers import AutoTokenizer
-
-    from minivllm.worker.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 
 
 def save_figure(fig, folder: str | Path, name: str) -> None:

@@ -59,6 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minivllm.entrypoints.chat_utils import apply_chat_template
+from minivllm.entrypoints.openai.base_protocol import IGNORED_FIELDS_HEADER
 from minivllm.entrypoints.openai.middleware import RequestGuard
 from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_router_metrics
 from minivllm.entrypoints.openai.protocol import APIError
@@ -70,6 +71,7 @@ from minivllm.entrypoints.routing import (
     ReplicaState,
     RoutingPolicy,
     make_policy,
+    normalize_url,
 )
 from minivllm.exceptions import ValidationError
 
@@ -80,6 +82,11 @@ DEFAULT_HEALTH_INTERVAL = 2.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_READ_TIMEOUT = 600.0
 """Longest silence from a replica mid-request (a long prompt's prefill sends nothing)."""
+
+
+def relayed(upstream: httpx.Response) -> dict[str, str]:
+    """The replica's response headers that mean something to the client."""
+    return {k: upstream.headers[k] for k in (IGNORED_FIELDS_HEADER, "retry-after") if k in upstream.headers}
 
 
 class ReplicaFailed(Exception):
@@ -94,14 +101,6 @@ class RouterStats:
     retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     """Times each replica failed a request and was taken out of rotation."""
-
-
-def normalize_url(url: str) -> str:
-    """``host:8000/v1/`` -> ``http://host:8000``: the replica's root, where /v1 and /health are."""
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    return url[:-3].rstrip("/") if url.endswith("/v1") else url
 
 
 # -- the router ------------------------------------------------------------------------------
@@ -244,7 +243,8 @@ class Router:
             raise self._failed(i, e) from None
         if r.status_code >= 500 and not await self.is_ok(i):
             raise self._failed(i, None, r.status_code)
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                        headers=relayed(r))
 
     async def _stream(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
         """Wait for the replica's first bytes before answering the client: until then a
@@ -262,7 +262,7 @@ class Router:
                     if upstream.status_code >= 500 and not await self.is_ok(i):
                         raise self._failed(i, None, upstream.status_code)
                     return Response(content, status_code=upstream.status_code,
-                                    media_type=upstream.headers.get("content-type"))
+                                    media_type=upstream.headers.get("content-type"), headers=relayed(upstream))
                 chunks = upstream.aiter_raw()
                 first = await chunks.__anext__()
             except httpx.TransportError as e:
@@ -289,7 +289,7 @@ class Router:
 
             handed_over = True
             return StreamingResponse(relay(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", **relayed(upstream)})
         finally:
             if not handed_over:  # an error answer, a failure, or the client left: done here
                 if upstream is not None:
@@ -308,7 +308,8 @@ class Router:
             except httpx.TransportError as e:
                 self.take_out(i, f"{type(e).__name__}: {e}")
                 continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
+                        headers=relayed(r))
         raise APIError(503, "no replica answered", "service_unavailable", code="no_healthy_replica")
 
     # -- metrics ----------------------------------------------------------------------------
@@ -338,6 +339,8 @@ def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin
     except ValueError as e:
         raise ValidationError("routing_policy", str(e), routing_policy) from None
     if isinstance(policy, PrefixAware) and tokenizer is None and model is not None:
+        from minivllm.worker.model_loader import load_tokenizer  # here: the router needs no torch
+
         tokenizer = load_tokenizer(model)
     router = Router(replicas, policy, tokenizer, health_interval=health_interval, read_timeout=read_timeout)
 
@@ -378,15 +381,6 @@ def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin
 
     app.add_middleware(RequestGuard, tenants=Tenants.from_options(api_key), max_request_bytes=max_request_bytes)
     return app
-
-
-def load_tokenizer(model: str) -> Any:
-    """The model's tokenizer only (no weights): what ``prefix_aware`` hashes with."""
-    from transformers import AutoTokenizer
-
-    from minivllm.worker.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 
 
 def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.0.1", port: int = 8000,

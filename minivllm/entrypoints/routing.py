@@ -54,6 +54,15 @@ class ReplicaState:
     healthy: bool = True
 
 
+def normalize_url(url: str) -> str:
+    """``host:8000/v1/`` -> ``http://host:8000``: a replica's root, where /v1 and /health
+    are (the name the HTTP router gives a replica)."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url[:-3].rstrip("/") if url.endswith("/v1") else url
+
+
 class NoReplicaAvailable(RuntimeError):
     """Every replica is out of rotation."""
 

@@ -108,6 +108,12 @@ def resolve_model_dir(model: str) -> Path:
     )
 
 
+def load_tokenizer(model: str = DEFAULT_MODEL) -> PreTrainedTokenizerBase:
+    """The model's tokenizer alone, no weights: what workloads and the router's
+    ``prefix_aware`` policy need."""
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+
+
 def load_model(
     model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
