@@ -24,6 +24,7 @@ from minivllm.bench import (
     router,
     serve,
     simulate,
+    soak,
     speculative,
     tensor_parallel,
     throughput,
@@ -57,6 +58,8 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
     "tensor-parallel": (tensor_parallel.main, (*ENGINE, "num_requests", "tp_sizes", "tp_max_tokens")),
     "router": (router.main, ("block_size", "seed", "num_documents", "questions_per_document",
                              "router_concurrency")),
+    "soak": (soak.main, ("seed", "minutes", "fault_interval", "faults", "concurrency", "seats",
+                         "max_waiting", "log")),
 }
 
 OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings): argparse keywords
@@ -100,6 +103,13 @@ OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings
     "router_concurrency": dict(type=int, default=4,
                                help="clients sending requests through the router at once"),
     "out": dict(default=None, help="where to write the cost model JSON"),
+    "minutes": dict(type=float, default=30.0, help="how long the soak runs"),
+    "fault_interval": dict(type=float, default=20.0, help="seconds between two injected faults"),
+    "faults": dict(default=",".join(soak.FAULTS), help=f"the fault cycle, a subset of {','.join(soak.FAULTS)}"),
+    "concurrency": dict(type=int, default=4, help="clients sending requests back to back"),
+    "seats": dict(type=int, default=8, help="the server's --max-num-seqs"),
+    "max_waiting": dict(type=int, default=16, help="the server's --max-waiting"),
+    "log": dict(default=None, help="the server's log file (default: soak-TIME.log here)"),
 }
 
 
