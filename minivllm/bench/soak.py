@@ -67,6 +67,8 @@ class SoakReport:
     served: int = 0
     failed: Counter = field(default_factory=Counter)
     lost: int = 0
+    lost_how: list[str] = field(default_factory=list)
+    """When and how each lost request was lost, to find it in the server's log."""
     faults: Counter = field(default_factory=Counter)
     restarts: int = 0
     exit_codes: Counter = field(default_factory=Counter)
@@ -102,7 +104,7 @@ class SoakReport:
                 ("memory growth per 1,000 requests (server + core RSS)",
                  "n/a (too few checkpoints)" if growth is None else f"{growth:+.1f} MiB")]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        return "\n".join([f"{k:<{width}}  {v}" for k, v in rows] + [f"  lost: {x}" for x in self.lost_how])
 
 
 def rss_bytes(pid: int) -> int:
@@ -205,7 +207,7 @@ class Soak:
         try:
             outcome = await asyncio.wait_for(self._send(http, path, body, hang_up_after), BOUND_S)
         except asyncio.TimeoutError:
-            outcome = "lost"
+            outcome = f"lost: no answer in {BOUND_S:g} s"
         except httpx.ConnectError:
             outcome = "no server (restarting): connection refused"
         except httpx.TransportError as e:
@@ -214,8 +216,10 @@ class Soak:
             self.in_flight -= 1
         if outcome == "served":
             self.report.served += 1
-        elif outcome == "lost":
+        elif outcome.startswith("lost"):
             self.report.lost += 1
+            self.report.lost_how.append(f"{time.strftime('%H:%M:%S')} {outcome}: {path} "
+                                        f"stream={body['stream']} n={body.get('n', 1)}")
         else:
             self.report.failed[outcome] += 1
         return outcome
@@ -237,7 +241,7 @@ class Soak:
                 events += line.startswith("data: ")
                 if hang_up_after and events >= hang_up_after:
                     return "hung up by the client (fault)"
-            return "lost"  # the stream ended with neither [DONE] nor an error event
+            return "lost: the stream ended with neither [DONE] nor an error event"
 
     async def client(self, http: httpx.AsyncClient) -> None:
         while True:

@@ -133,6 +133,8 @@ class AsyncLLMEngine:
         self._adding: set[str] = set()
         """Ids being tokenized, not yet handed to the client (which counts them from then)."""
         self._started = False
+        self._ended: str | None = None
+        """Why the streams were ended (the server is stopping); None while it serves."""
         self.on_death: list[Callable[[BaseException], None]] = []
         """Called (on the event loop) with the error when the engine dies: ``minivllm
         serve`` stops the server then, as vLLM's does."""
@@ -153,7 +155,9 @@ class AsyncLLMEngine:
 
     def end_streams(self, reason: str) -> None:
         """End every open stream with :class:`EngineDeadError` and abort its request, so
-        clients get a clear last message instead of a cut connection."""
+        clients get a clear last message instead of a cut connection. Requests added
+        from now on are refused with the same reason."""
+        self._ended = reason
         ids = list(self._streams)
         for stream in self._streams.values():
             stream.put(EngineDeadError(reason))
@@ -288,6 +292,11 @@ class AsyncLLMEngine:
         except BaseException:  # invalid, or cancelled: nothing was queued
             self._adding.discard(request_id)
             raise
+        # The engine may have died, or the server begun to stop, while the prompt was
+        # tokenized: the streams have been ended then, and this one would never be.
+        if self.client.error is not None or self._ended is not None:
+            self._adding.discard(request_id)
+            raise EngineDeadError(self._ended or f"the engine failed earlier: {self.client.error!r}")
         self._streams[request_id] = stream  # before the add: the first output may come soon
         # From here the client counts it (both lines run before anything else on the loop).
         self._adding.discard(request_id)

@@ -336,6 +336,8 @@ class MultiprocExecutor(Executor):
                 torch.cuda.synchronize(logits.device)
             parallel = self.finish_step(time.perf_counter() - t0)
         except BaseException as e:  # the ranks are out of step: the group is done
+            if self.closed:  # shut down before this step: nothing new to say
+                raise
             time.sleep(0.1)  # a worker that died broke the all-reduce: let it be reaped
             dead = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
             self.shutdown(grace=0)
