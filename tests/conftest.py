@@ -39,6 +39,9 @@ from hypothesis import settings  # noqa: E402
 # minivllm check selects this profile: one failure per property test, not an
 # ExceptionGroup of several, so the verdict's line is the assertion's own message.
 settings.register_profile("minivllm-check", report_multiple_bugs=False)
+# The long run of the engine's state machine (tests/test_engine_stateful.py), which does
+# 1,000 examples otherwise: pytest tests/test_engine_stateful.py --hypothesis-profile long
+settings.register_profile("long", max_examples=100_000)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
