@@ -194,7 +194,7 @@ class Scheduler:
             while kv.allocate_slots(request, num_new) is None:
                 victim = self.preempt_victim()
                 out.preempted.append(victim.request_id)
-                if victim is request:
+                if victim is request:  # it left self.running: index i is the next request now
                     break
                 # Under "priority" the victim may have run earlier in this loop (a
                 # decode scheduled this very step): take its tokens back, and step the
@@ -209,8 +209,6 @@ class Scheduler:
                 request.spec_token_ids = []  # proposed afresh after this step
                 budget -= num_new
                 i += 1
-                continue
-            break  # the request preempted itself: nothing more fits this step
         return budget
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
