@@ -133,20 +133,7 @@ def build_app(
     """
     _check_options(max_request_bytes)
     tenants = Tenants.from_options(api_key, tenants_file, cache_salt_per_key)
-    if llm is not None and llm_kwargs:
-        raise TypeError(f"engine options {sorted(llm_kwargs)} only apply when build_app builds the LLM")
-    if llm is not None and engine_process:
-        raise ValueError("engine_process=True needs the engine's options, not a built engine: "
-                         "pass llm=None and model=... instead")
-    llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
-    if llm is None and engine_process is not False:
-        async_engine: AsyncLLMEngine = AsyncMPEngine(EngineConfig(**llm_kwargs), max_waiting=max_waiting)
-        model_name = async_engine.config.model
-    else:
-        llm = LLM(**llm_kwargs) if llm is None else llm
-        engine = llm.llm_engine if isinstance(llm, LLM) else llm
-        async_engine = AsyncLLMEngine(engine, max_waiting=max_waiting)
-        model_name = engine.config.model
+    async_engine, model_name = _async_engine(llm, engine_process, max_waiting, llm_kwargs)
     http_counts: dict[tuple[str, str], int] = {}
     serving = OpenAIServing(async_engine, served_model_name or model_name, http_counts, tenants)
 
@@ -170,6 +157,23 @@ def build_app(
     app.add_middleware(RequestGuard, tenants=tenants, max_request_bytes=max_request_bytes)
     app.add_middleware(CountResponses, counts=http_counts, handlers=handlers)  # outermost: counts 401/413 too
     return app
+
+
+def _async_engine(llm: LLM | LLMEngine | None, engine_process: bool | None, max_waiting: int | None,
+                  llm_kwargs: dict[str, Any]) -> tuple[AsyncLLMEngine, str]:
+    """The app's async engine (see :func:`build_app`) and its model's name."""
+    if llm is not None and llm_kwargs:
+        raise TypeError(f"engine options {sorted(llm_kwargs)} only apply when build_app builds the LLM")
+    if llm is not None and engine_process:
+        raise ValueError("engine_process=True needs the engine's options, not a built engine: "
+                         "pass llm=None and model=... instead")
+    llm_kwargs.setdefault("max_trace_steps", 1000)  # a server runs for days: keep memory flat
+    if llm is None and engine_process is not False:
+        async_engine = AsyncMPEngine(EngineConfig(**llm_kwargs), max_waiting=max_waiting)
+        return async_engine, async_engine.config.model
+    llm = LLM(**llm_kwargs) if llm is None else llm
+    engine = llm.llm_engine if isinstance(llm, LLM) else llm
+    return AsyncLLMEngine(engine, max_waiting=max_waiting), engine.config.model
 
 
 def dev_mode() -> bool:
