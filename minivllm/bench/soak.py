@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -51,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from minivllm.entrypoints.data_parallel import free_port
 
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
 
@@ -135,9 +138,7 @@ class Supervisor:
     """Starts ``minivllm serve`` and starts it again whenever it exits."""
 
     def __init__(self, serve_args: list[str], log: Path, report: SoakReport) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", "--port", str(self.port),
                     "--uvicorn-log-level", "warning", *serve_args]
@@ -354,6 +355,11 @@ def main(args: argparse.Namespace) -> int:
     if unknown or not args.faults.strip():
         print(f"--faults takes a comma-separated subset of {','.join(FAULTS)}; got {args.faults!r}")
         return 2
+    for name in ("minutes", "fault_interval", "concurrency", "seats", "max_waiting"):
+        value = getattr(args, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            print(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+            return 2
     log = Path(args.log or f"soak-{int(time.time())}.log")
     print(f"soak: {args.minutes:g} min against minivllm serve --model {args.model}; faults every "
           f"{args.fault_interval:g} s ({args.faults}); the server's log: {log}", flush=True)
