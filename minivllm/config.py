@@ -46,6 +46,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 """vLLM's two policies: first come first served, or by each request's ``priority``."""
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
+QUANTIZATION_METHODS = ("int8",)
+"""What ``quantization`` may name (``minivllm.worker.quantization``); None keeps the weights as they are."""
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """The dtypes the weights and KV cache may take (``minivllm.executor.abstract.DTYPES`` maps them to torch's)."""
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
@@ -87,6 +89,11 @@ class EngineConfig:
                 "(minivllm.worker.linear; measured once, then cached); 'torch': nn.Linear as it is; "
                 "'onednn', 'transposed': one library for every product", LINEAR_BACKENDS)
     dtype: str = setting("float32", "dtype of the weights and the KV cache", DTYPE_NAMES)
+    quantization: str | None = setting(
+        None, "'int8': every linear layer's weight in int8 (one scale per output row), "
+              "multiplied by activations quantized to 8 bits at each call, on PyTorch's x86 "
+              "integer kernels (minivllm.worker.quantization; CPU, float32 only)",
+        QUANTIZATION_METHODS)
     device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
     seed: int = setting(0, "seed of the generator that random requests without their own seed draw from")
     max_trace_steps: int | None = setting(
@@ -140,7 +147,7 @@ class EngineConfig:
         self.enable_prefix_caching = check_bool("enable_prefix_caching", self.enable_prefix_caching)
         for f in dataclasses.fields(self):
             allowed, value = f.metadata["choices"], getattr(self, f.name)
-            if allowed is not None and value not in allowed:
+            if allowed is not None and value not in allowed and not (value is None and f.default is None):
                 raise ValidationError(f.name, f"{f.name} must be one of {allowed}, got {value!r}", value)
         if not isinstance(self.device, str):
             raise ValidationTypeError("device", f"device must be a string such as 'cpu', 'cuda' or "

@@ -20,6 +20,7 @@ from minivllm.bench import (
     memory,
     prefix_caching,
     priority,
+    quantization,
     roofline,
     router,
     serve,
@@ -58,6 +59,7 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
     "tensor-parallel": (tensor_parallel.main, (*ENGINE, "num_requests", "tp_sizes", "tp_max_tokens")),
     "router": (router.main, ("block_size", "seed", "num_documents", "questions_per_document",
                              "router_concurrency")),
+    "quantization": (quantization.main, ("num_requests", "seed", "rounds")),
     "soak": (soak.main, ("seed", "minutes", "fault_interval", "faults", "concurrency", "seats",
                          "max_waiting", "log")),
 }

@@ -81,6 +81,8 @@ class EngineCore:
         self.attention_backend_cls, self.attention_backend = loaded.attention_backend_cls, loaded.attention_backend
         self.linear_plan, self.linear_backend = loaded.linear_plan, loaded.linear_plan.name
         self.eos_token_id = loaded.eos_token_id
+        self.quantization = loaded.quantization
+        """What ``quantization`` converted, and the weight bytes before and after (None: none)."""
         model_max_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
         size = size_kv_cache(
             config, kv_cache_bytes_per_token(self.model, self.dtype, config.tensor_parallel_size),
@@ -89,10 +91,14 @@ class EngineCore:
         self._wire(size, model_runner)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
-            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.",
+            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.%s",
             size.num_blocks, config.block_size, size.num_blocks * size.block_bytes / 2**20,
             size.num_tokens, self.max_model_len, size.num_tokens / self.max_model_len,
             self.attention_backend, self.linear_backend, self.device,
+            "" if self.quantization is None else
+            f" Quantization {self.quantization.method}: {self.quantization.layers} linear layers, "
+            f"{self.quantization.bytes_before / 2**20:.0f} -> {self.quantization.bytes_after / 2**20:.0f} MiB, "
+            f"smoothed by activations of {self.quantization.calibration_tokens} calibration tokens.",
         )
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:

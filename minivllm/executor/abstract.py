@@ -34,6 +34,12 @@ from minivllm.worker.linear import choose_linear_plan
 from minivllm.worker.linear_plan import LinearPlan, resolve_linear_backend
 from minivllm.worker.model_loader import load_model
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from minivllm.worker.quantization import (
+    QuantizationReport,
+    calibration_prompts,
+    check_quantization,
+    quantize_model,
+)
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -88,6 +94,8 @@ class LoadedModel:
     that names none is called by its class name."""
     linear_plan: LinearPlan
     eos_token_id: int | None
+    quantization: QuantizationReport | None = None
+    """What ``quantization`` converted (None: the weights as loaded)."""
 
 
 def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
@@ -106,6 +114,10 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         linear_backend = resolve_linear_backend(config.linear_backend, device, dtype)
     except ValueError as e:
         raise ValidationError("linear_backend", str(e), config.linear_backend) from None
+    try:
+        check_quantization(config.quantization, device, dtype, config.tensor_parallel_size)
+    except ValueError as e:
+        raise ValidationError("quantization", str(e), config.quantization) from None
     loaded_here = model is None
     if loaded_here:
         model, tokenizer = load_model(config.model, dtype, device)
@@ -115,13 +127,21 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         except ValueError as e:
             raise ValidationError("tensor_parallel_size", str(e), config.tensor_parallel_size) from None
     if not loaded_here:
-        if config.tensor_parallel_size > 1:  # sharding changes it in place: not the caller's
+        # Sharding and quantizing change the model in place: not the caller's.
+        if config.tensor_parallel_size > 1 or config.quantization:
             model = copy.deepcopy(model)
         model = model.to(device=device, dtype=dtype).eval()
-    # "auto" becomes a plan measured on this machine (or read from its cache).
+    report = None
+    if config.quantization:
+        calibration = calibration_prompts(tokenizer, model.config.vocab_size)
+        model.set_attn_implementation("sdpa")  # stock transformers for the calibration run
+        report = quantize_model(model, config.quantization, calibration)
+    # "auto" becomes a plan measured on this machine (or read from its cache), for the
+    # layers still in floating point.
     return LoadedModel(model, tokenizer, device, dtype, backend_cls,
                        getattr(backend_cls, "name", None) or backend_cls.__name__,
-                       choose_linear_plan(linear_backend, model), eos_token_id(model, tokenizer))
+                       choose_linear_plan(linear_backend, model), eos_token_id(model, tokenizer),
+                       report)
 
 
 def eos_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> int | None:

@@ -78,7 +78,13 @@ from minivllm.worker.linear_autotune import (
     measure_linear_backends,
     noisy,
 )
-from minivllm.worker.linear_plan import LinearChoice, LinearPlan, candidate_backends, plain_linears
+from minivllm.worker.linear_plan import (
+    STOCK_PLAN,
+    LinearChoice,
+    LinearPlan,
+    candidate_backends,
+    plain_linears,
+)
 
 logger = logging.getLogger("minivllm")
 
@@ -128,6 +134,8 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
     (default ``$MINIVLLM_CACHE``), or measured and stored there."""
     if backend != "auto":
         return LinearPlan.single(backend)
+    if not plain_linears(model):  # every layer quantized (minivllm.worker.quantization)
+        return STOCK_PLAN
     from minivllm.worker.model_loader import cache_root
 
     param = next(model.parameters())
