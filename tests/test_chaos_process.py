@@ -286,6 +286,19 @@ def test_a_stopped_replica_and_a_dead_replica_core_behind_the_router(tiny_dir, t
             assert not state.replicas[0].healthy and state.replicas[1].healthy
             assert "the engine died" in replicas[0].log.read_text()
             assert all(r.outstanding == 0 for r in state.replicas)
+
+            # Stop the idle replica 1: the probe takes it out with no request sent to it, so
+            # the next request is a 503 at once, not a wait for the read timeout.
+            os.kill(replicas[1].proc.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + BOUND_S
+                while state.replicas[1].healthy:
+                    assert time.monotonic() < deadline, "the probe never took the stopped replica out"
+                    time.sleep(0.1)
+                r = httpx.post(router.url + "/v1/completions", json=ask, timeout=BOUND_S)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+            finally:
+                os.kill(replicas[1].proc.pid, signal.SIGCONT)
     finally:
         for r in replicas:
             r.stop()

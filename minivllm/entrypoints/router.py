@@ -26,8 +26,8 @@ replicas'. The other policies never look at the prompt.
 
 Failures. A replica that refuses or drops a connection, or answers 5xx while its
 ``/health`` is not 200, leaves the rotation (``healthy = False``, and ``prefix_aware``
-forgets its cache); a background task probes ``/health`` every ``health_interval``
-seconds and brings it back. A request that failed before anything reached the client is
+forgets its cache); a background task probes every replica's ``/health`` every ``health_interval``
+seconds, brings a recovered one back and takes out one that fails two probes in a row. A request that failed before anything reached the client is
 retried once on another replica; a stream that breaks after its first bytes ends with an
 error event in the server's shape (``data: {"error": {...}}``), since its status line
 has been sent. With no healthy replica the answer is a 503 at once. No request waits on
@@ -100,7 +100,7 @@ class RouterStats:
     """Requests forwarded, per replica URL (a retried request counts on both)."""
     retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)
-    """Times each replica failed a request and was taken out of rotation."""
+    """Times each replica was taken out of rotation (a failed request or two failed probes)."""
 
 
 # -- the router ------------------------------------------------------------------------------
@@ -164,12 +164,18 @@ class Router:
             return False
 
     async def _probe_forever(self) -> None:
+        """In when /health says 200, out after two failed probes (SIGSTOP keeps the socket open)."""
+        missed = [0] * len(self.replicas)
         while True:
             await asyncio.sleep(self.health_interval)
             for i, replica in enumerate(self.replicas):
-                if not replica.healthy and await self.is_ok(i):
+                ok = await self.is_ok(i)
+                missed[i] = 0 if ok else missed[i] + 1
+                if ok and not replica.healthy:
                     logger.info("replica %s is back in rotation", replica.name)
                     replica.healthy = True
+                elif replica.healthy and missed[i] >= 2:
+                    self.take_out(i, "its /health did not answer 200 twice in a row")
 
     # -- choosing ---------------------------------------------------------------------------
     def prompt_token_ids(self, path: str, body: Any) -> list[int]:
