@@ -135,3 +135,24 @@ def test_smoothing_tames_an_outlier_channel():
     plain, smoothed = Int8Linear.from_linear(layer), Int8Linear.from_linear(layer, s)
     assert error(smoothed) < error(plain) / 2
     assert smoothed.weight_bytes() == plain.weight_bytes() + 4 * 64  # a factor per input channel
+
+
+def test_bench_quantization_reports_every_setting_against_float32():
+    """The benchmark end to end on a tiny model with SmolLM2's tokenizer: one row per
+    setting, float32 first and agreeing with itself, int8 at about a quarter of the bytes
+    (smoothed on the calibration text), every number a number."""
+    from tiny_chat import tiny_chat_llm
+
+    from minivllm.bench.quantization import TASKS, quantization_benchmark
+
+    base = tiny_chat_llm()
+    model, tokenizer = base.llm_engine.model, base.get_tokenizer()
+    rows = quantization_benchmark(model, tokenizer, rounds=1, num_requests=4, chunks=2)
+    assert [r["quantization"] for r in rows] == ["none (float32)", "int8"]
+    fp32, int8 = rows
+    assert fp32["greedy identical"] == 1.0 and fp32["batch-1 speedup"] == 1.0
+    assert fp32["linear weights MB"] / 4 < int8["linear weights MB"] < fp32["linear weights MB"] / 3.5
+    for row in rows:
+        assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
+        assert row["batch-1 decode tok/s"] > 0 and row["4 requests out tok/s"] > 0
+        assert 0 <= int(row["answers right"].split("/")[0]) <= len(TASKS)

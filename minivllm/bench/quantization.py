@@ -8,7 +8,8 @@ process:
 * **memory**: the bytes of the linear layers' weights (what a decode step reads);
 * **speed**: batch-1 decode (one request at a time, output tokens per second after its
   first token) and 32 requests at once (output tokens per second over the run), in
-  ``--rounds`` interleaved rounds so a disturbance hits every setting alike; medians;
+  ``--rounds`` interleaved rounds so a disturbance hits every setting alike; the median
+  and the range of the rounds;
 * **perplexity** on text nobody here wrote: the Python standard library's docstrings
   (``minivllm.sim.workload.corpus_documents``), scored token by token with
   ``prompt_logprobs`` through the engine, so it measures the code that serves;
@@ -140,7 +141,9 @@ def quantization_benchmark(model, tokenizer, settings: Sequence[str | None] = SE
         row = {"quantization": q or "none (float32)",
                "linear weights MB": (report.bytes_after if report else _linear_bytes(model)) / 1e6,
                "batch-1 decode tok/s": statistics.median(speed[q]["b1"]),
+               "batch-1 range": _spread(speed[q]["b1"]),
                f"{num_requests} requests out tok/s": statistics.median(speed[q]["b32"]),
+               f"{num_requests} requests range": _spread(speed[q]["b32"]),
                "perplexity": perplexity(llm, text),
                "answers right": f"{right}/{len(TASKS)}"}
         base = base or (row, greedy)
@@ -154,6 +157,11 @@ def quantization_benchmark(model, tokenizer, settings: Sequence[str | None] = SE
     for llm in llms.values():
         llm.close()
     return rows
+
+
+def _spread(values: list[float]) -> str:
+    """The lowest and highest of the rounds, to read a median by."""
+    return f"{min(values):.1f}-{max(values):.1f}"
 
 
 def _linear_bytes(model) -> int:
