@@ -35,9 +35,10 @@ Why a scale per token and not one per call (what PyTorch's older dynamic quantiz
 fbgemm's ``quantized.linear_dynamic``, does): measured on SmolLM2-135M, one scale for all
 the activations of a call raised the perplexity of standard-library docstrings from 18.0
 to 31.0 (to 68.7 with the 7-bit activations fbgemm uses on CPUs without VNNI): in the
-input of the MLP's last projection (``down_proj``) a few channels run far larger than the
-rest (in one layer the largest channel reaches 3,389 times the typical channel's largest
-value), so one scale for everything rounds every other value to a handful of levels;
+input of the MLP's last projection (``down_proj``) a few channels of a text's first token
+run a thousand times larger than anything else (in one layer 3,389 times the typical
+channel's largest value; notebook 15 draws it), so one scale for everything rounds every
+other value to a handful of levels;
 keeping ``down_proj`` in float32 alone brought it back to 23.7. A scale per token gave
 18.7 (+4%), smoothing with it 18.3 (+2%), and the weights' rounding alone (float32
 arithmetic on rounded weights) 18.0. A scale per token has a second
