@@ -647,3 +647,103 @@ def test_a_notebook_kernel_refuses_a_figure_with_a_layout_problem(tmp_path):
     for name, says in (("overlap", "texts overlap"), ("key over data", "a key covers"), ("too wide", "px wide")):
         assert [e.ename for e in errors[name]] == ["FigureLayoutError"], (name, errors[name])
         assert says in errors[name][0].evalue, errors[name][0].evalue
+
+
+# -- quantization (notebook 15) ----------------------------------------------------------------
+
+def _ms(*samples: float, unit: str = "ms", higher_is_better: bool = False):
+    from minivllm.bench.timing import Timing
+
+    return Timing("t", tuple(samples), unit, higher_is_better)
+
+
+def _heights(ax, gid: str) -> list[float]:
+    return [p.get_height() for p in ax.patches if p.get_gid() == gid]
+
+
+QUANTIZATION_FIGURES = {
+    "plot_decode_bytes": lambda: viz.plot_decode_bytes(
+        ["float32", "int8"], [500_000_000, 125_000_000], _ms(20.0, 25.0, 30.0, unit="GB/s", higher_is_better=True),
+        [_ms(50, 60, 70), _ms(25, 30, 35)]),
+    "plot_channel_maxima": lambda: viz.plot_channel_maxima(
+        [0.1 + 3000.0 * (c == 700) for c in range(1536)], [0.5 + 8.0 * (c % 300 == 0) for c in range(1536)], "layer 11"),
+    "plot_layer_errors": lambda: viz.plot_layer_errors(
+        {"one scale per call": [0.05 + (i % 7 == 0) for i in range(30)], "one scale per token": [0.025] * 30,
+         "weights only": [0.009] * 30}, highlight=11),
+    "plot_quantization_tradeoff": lambda: viz.plot_quantization_tradeoff(
+        ["float32", "int8"], [500_000_000, 125_000_000], [_ms(16, 17, 18), _ms(30, 31, 32)],
+        [_ms(60, 66, 67), _ms(130, 134, 135)], [28.1, 28.9], [(5, 10), (4, 10)], batch_label="8 requests"),
+    "plot_parting_step": lambda: viz.plot_parting_step(
+        [".", " because", ",", " due", " is"], {"float32": [0.34, 0.29, 0.15, 0.08, 0.04],
+                                                "int8": [0.27, 0.37, 0.13, 0.09, 0.04]},
+        {"float32": ".", "int8": " because"}),
+}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZATION_FIGURES))
+def test_quantization_figures_draw_inside_their_own_size_with_keys_off_the_data(name):
+    """Notebook 15's figures: nothing reaches past the figure's edge, no key covers a point
+    (the keys go under the panels, where no data can be), no texts overlap."""
+    fig = QUANTIZATION_FIGURES[name]()
+    assert overflow(fig) == (0.0, 0.0)
+    assert points_under_keys(fig) == []
+    assert layout_problems(fig) == []
+
+
+def test_decode_bytes_draws_the_weights_and_the_time_their_bytes_take():
+    """Left: the megabytes. Right: bytes over the median bandwidth (500 MB at 25 GB/s is
+    20 ms), its whisker over the bandwidth's middle half (22.5 to 27.5 GB/s), beside the
+    measured step and its middle half."""
+    fig = QUANTIZATION_FIGURES["plot_decode_bytes"]()
+    left, right = fig.axes
+    assert _heights(left, "weight_mb") == pytest.approx([500.0, 125.0])
+    assert _heights(right, "floor:float32") == pytest.approx([20.0])
+    assert _heights(right, "floor:int8") == pytest.approx([5.0])
+    assert _heights(right, "measured:float32") + _heights(right, "measured:int8") == pytest.approx([60.0, 30.0])
+    whiskers = [y for c in right.collections for seg in c.get_segments() for y in (seg[0][1], seg[1][1])]
+    assert whiskers == pytest.approx([500 / 27.5, 500 / 22.5, 55.0, 65.0, 125 / 27.5, 125 / 22.5, 27.5, 32.5])
+
+
+def test_quantization_tradeoff_panels_hold_the_numbers_given():
+    fig = QUANTIZATION_FIGURES["plot_quantization_tradeoff"]()
+    weights, decode, batch, ppl, answers = fig.axes
+    assert _heights(weights, "weight_mb") == pytest.approx([500.0, 125.0])
+    assert _heights(decode, "decode") == pytest.approx([17.0, 31.0])  # the medians
+    assert _heights(batch, "batch") == pytest.approx([66.0, 134.0])
+    assert _heights(ppl, "perplexity") == pytest.approx([28.1, 28.9])
+    assert _heights(answers, "answers") == [5, 4]
+    assert "of 10" in answers.get_title() and "8 requests" in batch.get_title()
+    colors = [to_rgba(p.get_facecolor()) for p in decode.patches]
+    assert colors == [to_rgba(viz.VARIANT_COLORS["float32"]), to_rgba(viz.VARIANT_COLORS["int8"])]
+
+
+def test_channel_maxima_and_layer_errors_plot_every_value_on_a_log_axis():
+    fig = QUANTIZATION_FIGURES["plot_channel_maxima"]()
+    ax = fig.axes[0]
+    first = next(line for line in ax.lines if line.get_gid() == "first_token")
+    assert ax.get_yscale() == "log" and len(first.get_ydata()) == 1536 and max(first.get_ydata()) == 3000.1
+    fig = QUANTIZATION_FIGURES["plot_layer_errors"]()
+    ax = fig.axes[0]
+    lines = {line.get_gid(): list(line.get_ydata()) for line in ax.lines if line.get_gid()}
+    assert set(lines) == {"errors:one scale per call", "errors:one scale per token", "errors:weights only"}
+    assert lines["errors:one scale per token"] == [0.025] * 30 and ax.get_yscale() == "log"
+    assert "layer 11" in ax.get_title()
+
+
+def test_parting_step_outlines_each_models_greedy_choice():
+    fig = QUANTIZATION_FIGURES["plot_parting_step"]()
+    ax = fig.axes[0]
+    for name, chosen in (("float32", 0), ("int8", 1)):
+        bars = [p for p in ax.patches if p.get_gid() == f"probabilities:{name}"]
+        assert [b.get_width() for b in bars][:2] == ([0.34, 0.29] if name == "float32" else [0.27, 0.37])
+        outlined = [i for i, b in enumerate(bars) if to_rgba(b.get_edgecolor()) == to_rgba("black")]
+        assert outlined == [chosen]
+
+
+def test_quantization_figures_refuse_mismatched_inputs():
+    with pytest.raises(ValueError, match="one value per variant"):
+        viz.plot_quantization_tradeoff(["float32", "int8"], [1], [], [], [], [])
+    with pytest.raises(ValueError, match="one probability per token"):
+        viz.plot_parting_step(["a", "b"], {"float32": [0.5]}, {})
+    with pytest.raises(ValueError, match="one weight size and one step time"):
+        viz.plot_decode_bytes(["float32"], [1, 2], _ms(1.0), [_ms(1.0)])

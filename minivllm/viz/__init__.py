@@ -19,7 +19,7 @@ in the timeline; each figure carries the key.
     viz.replay(llm.trace)        # step slider + play button in Jupyter
 
 One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
-``steps``, ``architecture``, ``spec_decode``, ``cluster``), with the shared colours and
+``steps``, ``architecture``, ``spec_decode``, ``cluster``, ``quantization``), with the shared colours and
 sizes in ``style`` and :func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
 is all a notebook needs.
 """
@@ -35,6 +35,14 @@ from minivllm.viz.kv_cache import (
     plot_memory_waste,
 )
 from minivllm.viz.latency import plot_latency, plot_ttft_breakdown
+from minivllm.viz.quantization import (
+    VARIANT_COLORS,
+    plot_channel_maxima,
+    plot_decode_bytes,
+    plot_layer_errors,
+    plot_parting_step,
+    plot_quantization_tradeoff,
+)
 from minivllm.viz.saving import FIGURES_ENV, SavedFigure, figures_dir, save_figure
 from minivllm.viz.spec_decode import plot_spec_decode, spec_decode_counts
 from minivllm.viz.steps import pick_steps, plot_steps, replay
@@ -90,6 +98,7 @@ __all__ = [
     "STEPS_SIZE",
     "SavedFigure",
     "TIMELINE_SIZE",
+    "VARIANT_COLORS",
     "WAITING_COLOR",
     "block_owners",
     "figures_dir",
@@ -98,14 +107,19 @@ __all__ = [
     "plot_architecture",
     "plot_batch_composition",
     "plot_block_table",
+    "plot_channel_maxima",
     "plot_cluster_sweep",
+    "plot_decode_bytes",
     "plot_flat_batch",
     "plot_kv_usage",
     "plot_latency",
+    "plot_layer_errors",
+    "plot_parting_step",
     "plot_process_split",
     "plot_memory_waste",
     "plot_priority_timeline",
     "plot_priority_timelines",
+    "plot_quantization_tradeoff",
     "plot_request_timeline",
     "plot_spec_decode",
     "plot_steps",

@@ -138,17 +138,18 @@ def check_quantization(method: str | None, device: torch.device, dtype: torch.dt
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(
-            f"quantization={method!r} runs on PyTorch's x86 integer kernels (fbgemm): it needs "
+            f"quantization={method!r} is written and measured for the CPU: it needs "
             f"device 'cpu' and dtype 'float32' (got device {device}, dtype {dtype}); on a GPU, "
             f"use bfloat16 or float16 weights instead")
     if tensor_parallel_size != 1:
         raise ValueError(f"quantization={method!r} is not combined with tensor parallelism here "
                          f"(tensor_parallel_size={tensor_parallel_size}): the sharding slices float "
                          f"weights; use one or the other")
-    if "fbgemm" not in torch.backends.quantized.supported_engines and \
-            "x86" not in torch.backends.quantized.supported_engines:
-        raise ValueError(f"quantization={method!r} needs PyTorch's x86 quantized engine (fbgemm), "
-                         f"which this build lacks (engines: {torch.backends.quantized.supported_engines})")
+    try:  # the integer product this build has on this CPU, tried once on a tiny example
+        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except (RuntimeError, NotImplementedError) as e:
+        raise ValueError(f"quantization={method!r} needs torch._int_mm (int8 x int8 -> int32) on "
+                         f"the CPU, which this PyTorch build lacks: {e}") from None
 
 
 SMOOTHING_ALPHA = 0.5
