@@ -91,8 +91,9 @@ class EngineConfig:
     dtype: str = setting("float32", "dtype of the weights and the KV cache", DTYPE_NAMES)
     quantization: str | None = setting(
         None, "'int8': every linear layer's weight in int8 (one scale per output row), "
-              "multiplied by activations quantized to 8 bits at each call, on PyTorch's x86 "
-              "integer kernels (minivllm.worker.quantization; CPU, float32 only)",
+              "multiplied by activations rounded to int8 per token at each call, in integers "
+              "(torch._int_mm), after SmoothQuant's smoothing calibrated at load "
+              "(minivllm.worker.quantization; CPU, float32 only)",
         QUANTIZATION_METHODS)
     device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
     seed: int = setting(0, "seed of the generator that random requests without their own seed draw from")
