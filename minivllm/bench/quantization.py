@@ -174,6 +174,9 @@ def main(args: argparse.Namespace) -> int:
     """``minivllm bench quantization``: float32 against int8 weights, speed and quality."""
     from minivllm.worker.model_loader import load_model
 
+    for flag, value in (("--rounds", args.rounds), ("--num-requests", args.num_requests)):
+        if value is not None and value < 1:
+            raise SystemExit(f"minivllm bench quantization: {flag} must be at least 1, got {value}")
     model, tokenizer = load_model(args.model)
     rows = quantization_benchmark(model, tokenizer, rounds=args.rounds, num_requests=args.num_requests or 32,
                                   seed=args.seed)
