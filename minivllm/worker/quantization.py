@@ -32,7 +32,8 @@ greedy tokens can part from the float32 model's after a while:
 ``minivllm bench quantization`` measures by how much (perplexity, agreement, answers).
 
 Why a scale per token and not one per call (what PyTorch's older dynamic quantization,
-fbgemm's ``quantized.linear_dynamic``, does): measured on SmolLM2-135M, one scale for all
+fbgemm's ``quantized.linear_dynamic``, does): measured once on SmolLM2-135M (a one-off
+script; notebook 15 recomputes the per-layer error), one scale for all
 the activations of a call raised the perplexity of standard-library docstrings from 18.0
 to 31.0 (to 68.7 with the 7-bit activations fbgemm uses on CPUs without VNNI): in the
 input of the MLP's last projection (``down_proj``) a few channels of a text's first token
