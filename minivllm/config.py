@@ -48,6 +48,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 QUANTIZATION_METHODS = ("int8",)
 """What ``quantization`` may name (``minivllm.worker.quantization``); None keeps the weights as they are."""
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""What the KV cache may be stored in (``minivllm.worker.kv_cache_quant``): "auto" is the model's dtype."""
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """The dtypes the weights and KV cache may take (``minivllm.executor.abstract.DTYPES`` maps them to torch's)."""
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
@@ -95,6 +97,10 @@ class EngineConfig:
               "(torch._int_mm), after SmoothQuant's smoothing calibrated at load "
               "(minivllm.worker.quantization; CPU, float32 only)",
         QUANTIZATION_METHODS)
+    kv_cache_dtype: str = setting(
+        "auto", "'auto': the KV cache in the model's dtype; 'fp8' (= 'fp8_e4m3') or 'fp8_e5m2': "
+                "one byte per value, with a scale per layer for keys and one for values measured "
+                "at load (minivllm.worker.kv_cache_quant)", KV_CACHE_DTYPES)
     device: str = setting("auto", "'auto': CUDA when there is one, else the CPU")
     seed: int = setting(0, "seed of the generator that random requests without their own seed draw from")
     max_trace_steps: int | None = setting(

@@ -83,23 +83,23 @@ class EngineCore:
         self.eos_token_id = loaded.eos_token_id
         self.quantization = loaded.quantization
         """What ``quantization`` converted, and the weight bytes before and after (None: none)."""
+        self.kv_cache_quantization = loaded.kv_cache
+        """An 8-bit KV cache's dtype and per-layer scales (None: the model's dtype)."""
+        self.kv_cache_dtype = loaded.kv_cache.dtype if loaded.kv_cache else self.dtype
+        """The dtype the KV cache is stored in."""
         model_max_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
         size = size_kv_cache(
-            config, kv_cache_bytes_per_token(self.model, self.dtype, config.tensor_parallel_size),
+            config, kv_cache_bytes_per_token(self.model, self.kv_cache_dtype, config.tensor_parallel_size),
             model_max_len)
         self.max_model_len = size.max_model_len
         self._wire(size, model_runner)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens). Maximum concurrency for "
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s). Maximum concurrency for "
             "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.%s",
             size.num_blocks, config.block_size, size.num_blocks * size.block_bytes / 2**20,
-            size.num_tokens, self.max_model_len, size.num_tokens / self.max_model_len,
-            self.attention_backend, self.linear_backend, self.device,
-            "" if self.quantization is None else
-            f" Quantization {self.quantization.method}: {self.quantization.layers} linear layers, "
-            f"{self.quantization.bytes_before / 2**20:.0f} -> {self.quantization.bytes_after / 2**20:.0f} MiB, "
-            f"smoothed by activations of {self.quantization.calibration_tokens} calibration tokens.",
-        )
+            size.num_tokens, self.kv_cache_dtype, self.max_model_len,
+            size.num_tokens / self.max_model_len, self.attention_backend, self.linear_backend,
+            self.device, "" if self.quantization is None else " " + self.quantization.describe())
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
         config = self.config
@@ -121,7 +121,8 @@ class EngineCore:
         make_runner = functools.partial(
             ModelRunner, self.model, self.kv_cache_manager, self.attention_backend_cls, self.device,
             self.dtype, config.seed, linear_plan=self.linear_plan,
-            sampler_cls=load_component("sampler_cls", config.sampler_cls))
+            sampler_cls=load_component("sampler_cls", config.sampler_cls),
+            kv_cache_quantization=self.kv_cache_quantization)
         self.executor: Executor
         """Runs each step's model work: in this process, or over tensor-parallel workers."""
         if model_runner is None and config.tensor_parallel_size > 1:

@@ -12,7 +12,8 @@ from minivllm.entrypoints.routing import ROUTING_POLICIES
 from minivllm.exceptions import ValidationError
 from minivllm.worker.model_loader import DEFAULT_MODEL
 
-GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "quantization", "device",
+GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "quantization",
+                     "kv_cache_dtype", "device",
                      "tensor_parallel_size", "speculative_config")
 """The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
 SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")

@@ -30,6 +30,11 @@ from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError
 from minivllm.worker.attention import BACKEND_CLASSES, BACKENDS, resolve_backend
+from minivllm.worker.kv_cache_quant import (
+    KVCacheQuantization,
+    calibrate_kv_scales,
+    check_kv_cache_dtype,
+)
 from minivllm.worker.linear import choose_linear_plan
 from minivllm.worker.linear_plan import LinearPlan, resolve_linear_backend
 from minivllm.worker.model_loader import load_model
@@ -96,6 +101,8 @@ class LoadedModel:
     eos_token_id: int | None
     quantization: QuantizationReport | None = None
     """What ``quantization`` converted (None: the weights as loaded)."""
+    kv_cache: KVCacheQuantization | None = None
+    """An 8-bit KV cache's dtype and scales (None: the cache in the model's dtype)."""
 
 
 def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
@@ -118,6 +125,10 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         check_quantization(config.quantization, device, dtype, config.tensor_parallel_size)
     except ValueError as e:
         raise ValidationError("quantization", str(e), config.quantization) from None
+    try:
+        check_kv_cache_dtype(config.kv_cache_dtype, config.tensor_parallel_size)
+    except ValueError as e:
+        raise ValidationError("kv_cache_dtype", str(e), config.kv_cache_dtype) from None
     loaded_here = model is None
     if loaded_here:
         model, tokenizer = load_model(config.model, dtype, device)
@@ -131,17 +142,20 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         if config.tensor_parallel_size > 1 or config.quantization:
             model = copy.deepcopy(model)
         model = model.to(device=device, dtype=dtype).eval()
-    report = None
-    if config.quantization:
+    report = kv_cache = None
+    if config.quantization or config.kv_cache_dtype != "auto":
         calibration = calibration_prompts(tokenizer, model.config.vocab_size)
-        model.set_attn_implementation("sdpa")  # stock transformers for the calibration run
-        report = quantize_model(model, config.quantization, calibration)
+        model.set_attn_implementation("sdpa")  # stock transformers for the calibration runs
+        if config.quantization:
+            report = quantize_model(model, config.quantization, calibration)
+        if config.kv_cache_dtype != "auto":  # measured on the model that will run
+            kv_cache = calibrate_kv_scales(model, config.kv_cache_dtype, calibration)
     # "auto" becomes a plan measured on this machine (or read from its cache), for the
     # layers still in floating point.
     return LoadedModel(model, tokenizer, device, dtype, backend_cls,
                        getattr(backend_cls, "name", None) or backend_cls.__name__,
                        choose_linear_plan(linear_backend, model), eos_token_id(model, tokenizer),
-                       report)
+                       report, kv_cache)
 
 
 def eos_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> int | None:

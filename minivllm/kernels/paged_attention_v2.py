@@ -47,6 +47,10 @@ from minivllm.kernels.triton_utils import (
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 SUPPORTED_DTYPES = tuple(_TL_DTYPES)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""An 8-bit cache the kernel reads as it is: each K/V tile it loads is converted to the
+query's dtype (``_load_kv_tile``); the scales are folded in by the caller
+(``minivllm.worker.attention.AttentionBackend.forward``)."""
 
 check_interpreter_mode()
 
@@ -151,10 +155,10 @@ def _check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"paged_attention (Triton) needs a power-of-two head_dim >= 16, got {head_dim}")
-    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
+    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype not in (query.dtype, *FP8_CACHE_DTYPES):
         raise ValueError(
             f"paged_attention (Triton) supports float32/float16/bfloat16 with the cache in "
-            f"the query's dtype, got query {query.dtype} and cache {key_cache.dtype}"
+            f"the query's dtype or in fp8, got query {query.dtype} and cache {key_cache.dtype}"
         )
 
 

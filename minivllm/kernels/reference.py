@@ -34,16 +34,19 @@ def reshape_and_cache(
 ) -> None:
     """Write the new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots.
 
-    A negative slot means "do not store" (vLLM uses -1 for padding tokens).
+    A negative slot means "do not store" (vLLM uses -1 for padding tokens). An 8-bit
+    cache is written as bytes (PyTorch's CPU ``index_copy_`` has no fp8 version); the
+    values arrive already rounded to it (``minivllm.worker.kv_cache_quant``).
     """
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for new, cache in ((key, key_cache), (value, value_cache)):
+        new = new.to(cache.dtype)
+        if cache.element_size() == 1:
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -189,7 +192,9 @@ def paged_attention(
         plan: this batch's :func:`plan_attention` (the engine makes it once per step).
 
     Returns ``[num_tokens, num_heads, head_dim]``. Grouped-query attention is handled by
-    letting ``num_heads`` be a multiple of ``num_kv_heads``.
+    letting ``num_heads`` be a multiple of ``num_kv_heads``. An 8-bit cache is read as it
+    is and converted to the query's dtype after the gather (its scales are the caller's:
+    ``minivllm.worker.attention.AttentionBackend.forward``).
 
     Decodes (one query each) are batched into SDPA calls over gathered, padded K/V;
     sequences with several queries (prefills and prefill chunks) get one call each.
@@ -208,7 +213,7 @@ def paged_attention(
         workspace = None  # too small for this batch: allocate instead
     for g in plan.decode_groups:
         shape = (g.batch, g.length, num_kv_heads, head_dim)
-        k, v = _gather_decode_kv(g, flat_k, flat_v, workspace)
+        k, v = _gather_decode_kv(g, flat_k, flat_v, workspace, query.dtype)
         k = k.view(shape).transpose(1, 2)  # [B, H_kv, L, D]
         v = v.view(shape).transpose(1, 2)
         # The query heads that share a KV head go in as that head's queries ([B, H_kv,
@@ -229,13 +234,15 @@ def paged_attention(
 
 
 def _gather_decode_kv(g: DecodeGroup, flat_k: torch.Tensor, flat_v: torch.Tensor,
-                      workspace: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode group's keys and values, one row per (sequence, position), copied into
-    the plan's scratch when there is one (K in its first half, V in its second), so a
-    step allocates nothing."""
+                      workspace: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode group's keys and values in ``dtype``, one row per (sequence, position),
+    copied into the plan's scratch when there is one (K in its first half, V in its
+    second), so a step allocates nothing but, from an 8-bit cache, the gathered bytes."""
     if workspace is None:
-        return flat_k.index_select(0, g.slots), flat_v.index_select(0, g.slots)
+        return flat_k.index_select(0, g.slots).to(dtype), flat_v.index_select(0, g.slots).to(dtype)
     kv = workspace[: 2 * g.slots.numel() * flat_k.shape[1]].view(2, -1, flat_k.shape[1])
+    if flat_k.dtype != workspace.dtype:  # an 8-bit cache: gather the bytes, convert into the scratch
+        return kv[0].copy_(flat_k.index_select(0, g.slots)), kv[1].copy_(flat_v.index_select(0, g.slots))
     return (torch.index_select(flat_k, 0, g.slots, out=kv[0]),
             torch.index_select(flat_v, 0, g.slots, out=kv[1]))
 
@@ -248,8 +255,8 @@ def _attend_prefills(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
     gqa = query.shape[1] != key_cache.shape[2]
     for s, start, q_len, seq_len in plan.prefills:
         q = query[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-        k = gather_kv(key_cache, block_tables[s], seq_len).transpose(0, 1)
-        v = gather_kv(value_cache, block_tables[s], seq_len).transpose(0, 1)
+        k = gather_kv(key_cache, block_tables[s], seq_len).to(query.dtype).transpose(0, 1)
+        v = gather_kv(value_cache, block_tables[s], seq_len).to(query.dtype).transpose(0, 1)
         if q_len == seq_len:  # a whole prompt: plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:  # a chunk after cached context: query i sits at position seq_len - q_len + i

@@ -80,7 +80,8 @@ def reshape_and_cache(
         return
     if key.dtype != key_cache.dtype:
         # Convert in PyTorch (round-to-nearest-even, like the reference); the interpreter's
-        # float32->bfloat16 cast truncates instead, which would make the two disagree.
+        # float32->bfloat16 and float32->fp8 casts truncate instead, which would make the
+        # two disagree (an 8-bit cache's values arrive already rounded: kv_cache_quant).
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()

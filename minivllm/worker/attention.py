@@ -38,6 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from minivllm.config import BACKENDS
 from minivllm.kernels import reference
 from minivllm.kernels.triton_utils import interpreting, triton_available
+from minivllm.worker.kv_cache_quant import quantize_kv
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +80,13 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
+    def __init__(self, kv_caches: list[KVCache], device: torch.device,
+                 kv_scales: list[tuple[float, float]] | None = None) -> None:
         self.kv_caches = kv_caches
         """Per layer (key_cache, value_cache), allocated by the model runner."""
+        self.kv_scales = kv_scales
+        """Per layer (k_scale, v_scale) of an 8-bit cache (``minivllm.worker.kv_cache_quant``);
+        None: the cache holds the keys and values as they are."""
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         """Once per step: what this backend's kernels need beyond the common metadata."""
@@ -92,10 +97,21 @@ class AttentionBackend(ABC):
         """Once per layer. ``query`` ``[num_tokens, num_heads, head_dim]``, ``key`` and
         ``value`` ``[num_tokens, num_kv_heads, head_dim]``; returns the attention output
         shaped like ``query``. The keys are stored first, so every query sees the keys of
-        its own sequence's new tokens (causality is the kernels' job)."""
+        its own sequence's new tokens (causality is the kernels' job).
+
+        With an 8-bit cache the keys and values are stored divided by their layer's
+        scales, and the scales come back in two multiplications: ``k_scale`` into the
+        softmax scale (``q . (k_scale k8) = k_scale (q . k8)``) and ``v_scale`` onto the
+        output (the softmax weights sum to one over ``v_scale v8``). ``attend`` only
+        converts the 8-bit tiles it loads to the query's dtype."""
         key_cache, value_cache = self.kv_caches[layer_idx]
-        self.write_kv(key, value, key_cache, value_cache, metadata)
-        return self.attend(query, key_cache, value_cache, metadata, scale)
+        if self.kv_scales is None:
+            self.write_kv(key, value, key_cache, value_cache, metadata)
+            return self.attend(query, key_cache, value_cache, metadata, scale)
+        k_scale, v_scale = self.kv_scales[layer_idx]
+        self.write_kv(quantize_kv(key, k_scale, key_cache.dtype),
+                      quantize_kv(value, v_scale, value_cache.dtype), key_cache, value_cache, metadata)
+        return self.attend(query, key_cache, value_cache, metadata, scale * k_scale).mul_(v_scale)
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -115,20 +131,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
-        super().__init__(kv_caches, device)
-        key_cache = kv_caches[0][0]
-        self.workspace = torch.empty(0, dtype=key_cache.dtype, device=device)
-        """Where decodes gather K and V, kept from step to step and grown, never shrunk,
-        to the largest group seen (AttentionPlan.workspace says why)."""
+    def __init__(self, kv_caches: list[KVCache], device: torch.device,
+                 kv_scales: list[tuple[float, float]] | None = None) -> None:
+        super().__init__(kv_caches, device, kv_scales)
+        self.workspace: torch.Tensor | None = None
+        """Where decodes gather K and V (in the query's dtype), kept from step to step and
+        grown, never shrunk, to the largest group seen (AttentionPlan.workspace says why)."""
 
     def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
-        _, block_size, num_kv_heads, head_dim = self.kv_caches[0][0].shape
+        block_size = self.kv_caches[0][0].shape[1]
         plan = reference.plan_attention(common.block_tables, common.query_start_loc, common.seq_lens, block_size)
-        need = plan.workspace_size(num_kv_heads * head_dim)
-        if self.workspace.numel() < need:
-            self.workspace = self.workspace.new_empty(need)
-        plan.workspace = self.workspace
         return TorchAttentionMetadata(common.slot_mapping, common.block_tables, common.query_start_loc,
                                       common.seq_lens, plan)
 
@@ -136,6 +148,10 @@ class TorchAttentionBackend(AttentionBackend):
         reference.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def attend(self, query, key_cache, value_cache, metadata: TorchAttentionMetadata, scale) -> torch.Tensor:
+        need = metadata.plan.workspace_size(key_cache.shape[2] * key_cache.shape[3])
+        if self.workspace is None or self.workspace.numel() < need or self.workspace.dtype != query.dtype:
+            self.workspace = query.new_empty(need)
+        metadata.plan.workspace = self.workspace
         return reference.paged_attention(query, key_cache, value_cache, metadata.block_tables,
                                          metadata.query_start_loc, metadata.seq_lens, scale, plan=metadata.plan)
 
@@ -146,7 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, kv_caches: list[KVCache], device: torch.device) -> None:
+    def __init__(self, kv_caches: list[KVCache], device: torch.device,
+                 kv_scales: list[tuple[float, float]] | None = None) -> None:
         if device.type != "cuda" and not interpreting():
             # Triton's interpreter must be chosen before triton is first imported, and
             # `import minivllm` already imports it (through transformers and torch), so
@@ -160,7 +177,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if device.type != "cuda":
             logger.warning("No GPU: the Triton kernels run in Triton's interpreter (slow, for learning).")
-        super().__init__(kv_caches, device)
+        super().__init__(kv_caches, device, kv_scales)
         # Imported here, not at the top: triton exists on Linux only, and `import
         # minivllm` must work everywhere.
         from minivllm.kernels.paged_attention_v2 import paged_attention
@@ -232,9 +249,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def get_attn_backend(backend: str | type[AttentionBackend], kv_caches: list[KVCache],
-                     device: torch.device) -> AttentionBackend:
+                     device: torch.device, kv_scales: list[tuple[float, float]] | None = None
+                     ) -> AttentionBackend:
     """The backend object over these caches: of a resolved name (:func:`resolve_backend`),
-    or of an :class:`AttentionBackend` class."""
+    or of an :class:`AttentionBackend` class. ``kv_scales`` is passed only for an 8-bit
+    cache, so a learner's backend written before it existed still takes two arguments."""
     if isinstance(backend, str):
         backend = {"torch": TorchAttentionBackend, "triton": TritonAttentionBackend}[backend]
-    return backend(kv_caches, device)
+    if kv_scales is None:
+        return backend(kv_caches, device)
+    return backend(kv_caches, device, kv_scales=kv_scales)

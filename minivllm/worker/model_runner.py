@@ -44,6 +44,7 @@ from minivllm.worker.attention import (
     AttentionMetadata,
     get_attn_backend,
 )
+from minivllm.worker.kv_cache_quant import KVCacheQuantization
 from minivllm.worker.linear_plan import STOCK_PLAN, LinearPlan, planned_linear
 
 if TYPE_CHECKING:
@@ -132,10 +133,12 @@ class ModelRunner:
         linear_plan: LinearPlan = STOCK_PLAN,
         sampler_cls: type = Sampler,
         num_kv_heads: int | None = None,
+        kv_cache_quantization: KVCacheQuantization | None = None,
     ) -> None:
         """``num_kv_heads``: the KV heads this runner's cache holds, by default all of
         the model's. With tensor parallelism ``model`` is one rank's shard, and the cache
-        holds that rank's share of the heads."""
+        holds that rank's share of the heads. ``kv_cache_quantization``: an 8-bit cache's
+        dtype and per-layer scales (None: the cache in ``dtype``)."""
         self.model = model
         self.device = device
         self.block_size = kv_cache_manager.block_size
@@ -149,11 +152,15 @@ class ModelRunner:
         shape = (kv_cache_manager.num_blocks, self.block_size, num_kv_heads, head_dim)
         # Zeros rather than empty: no attention path reads a slot before it is written, but
         # a cache that starts defined keeps any such bug visible as wrong numbers, not NaN.
+        quant = kv_cache_quantization
+        cache_dtype = quant.dtype if quant else dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=cache_dtype, device=device),
+             torch.zeros(shape, dtype=cache_dtype, device=device))
             for _ in range(num_layers)
         ]
-        self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device)
+        self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device,
+                                             kv_scales=quant.scales if quant else None)
         self.sampler = sampler_cls(seed)
         self.rejection_sampler = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}

@@ -129,6 +129,12 @@ class QuantizationReport:
     calibration_tokens: int = 0
     """Tokens run through the float model to measure the activations (0: not smoothed)."""
 
+    def describe(self) -> str:
+        """One line for the engine's start-up log."""
+        return (f"Quantization {self.method}: {self.layers} linear layers, "
+                f"{self.bytes_before / 2**20:.0f} -> {self.bytes_after / 2**20:.0f} MiB, smoothed by "
+                f"activations of {self.calibration_tokens} calibration tokens.")
+
 
 def check_quantization(method: str | None, device: torch.device, dtype: torch.dtype,
                        tensor_parallel_size: int = 1) -> None:
