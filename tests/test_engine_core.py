@@ -95,6 +95,18 @@ def split(offline):
     assert wait_gone(pid), "the engine core outlived the server"
 
 
+def test_the_model_list_asked_while_the_core_loads_waits_for_it():
+    """Clients ask for /v1/models first (guidellm does, to pick the model): asked while
+    the engine process still loads, it answers once the model is there, with its
+    maximum length, not a 500 over a null."""
+    app = build_app(**ENGINE)
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        assert client.get("/health").status_code == 503, "the core had loaded before the test asked"
+        models = client.get("/v1/models")
+        assert models.status_code == 200, models.text
+        assert models.json()["data"][0]["max_model_len"] == app.state.engine.max_model_len > 0
+
+
 def test_outputs_match_offline_token_for_token(split, offline):
     server, client = split
     r = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 24, "temperature": 0,

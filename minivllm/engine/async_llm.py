@@ -202,7 +202,17 @@ class AsyncLLMEngine:
 
     @property
     def max_model_len(self) -> int | None:
+        """None while an engine core process is still loading its model."""
         return self.client.max_model_len
+
+    async def wait_ready(self) -> None:
+        """Start the engine if needed and wait until it takes requests (an engine core
+        process: until its model is loaded); :class:`EngineDeadError` if it failed."""
+        self.start()
+        if self.client.error is None:
+            await self.client.wait_ready()
+        if self.client.error is not None:
+            raise EngineDeadError(f"the engine failed earlier: {self.client.error!r}")
 
     @property
     def max_num_seqs(self) -> int:
@@ -269,11 +279,7 @@ class AsyncLLMEngine:
         invalid input (nothing is queued then), and :class:`EngineDeadError` when the
         engine has failed.
         """
-        self.start()
-        if self.client.error is None:
-            await self.client.wait_ready()
-        if self.client.error is not None:
-            raise EngineDeadError(f"the engine failed earlier: {self.client.error!r}")
+        await self.wait_ready()
         if self.max_waiting is not None and self.num_queued >= self.max_waiting:
             raise EngineOverloadedError(
                 f"the server is at capacity: {self.num_queued} requests are waiting "

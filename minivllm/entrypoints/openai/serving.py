@@ -101,6 +101,9 @@ class OpenAIServing:
 
     # -- the endpoints -------------------------------------------------------------------
     async def list_models(self) -> dict:
+        # Clients ask for the model list first (guidellm does, at start): while an engine
+        # process loads, answer once its maximum length is known, not with a null.
+        await self.engine.wait_ready()
         card = {"id": self.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "minivllm", "max_model_len": self.engine.max_model_len}
         return {"object": "list", "data": [card]}
