@@ -31,7 +31,8 @@ seconds, brings a recovered one back and takes out one that fails two probes in 
 retried once on another replica; a stream that breaks after its first bytes ends with an
 error event in the server's shape (``data: {"error": {...}}``), since its status line
 has been sent. With no healthy replica the answer is a 503 at once. No request waits on
-a dead replica: connecting times out, and so does a replica silent for ``read_timeout``.
+a dead replica: connecting times out, and a replica that leaves the rotation ends its
+requests in flight at once (a stopped one keeps its sockets open: only the probe tells).
 
 ``/metrics`` re-exports every replica's samples with a ``replica`` label, plus the
 router's own: requests per replica, retries, replicas healthy, requests in flight
@@ -49,16 +50,15 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minivllm.entrypoints.chat_utils import apply_chat_template
 from minivllm.entrypoints.openai.base_protocol import IGNORED_FIELDS_HEADER
 from minivllm.entrypoints.openai.middleware import RequestGuard
 from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_router_metrics
@@ -72,12 +72,14 @@ from minivllm.entrypoints.routing import (
     RoutingPolicy,
     make_policy,
     normalize_url,
+    prompt_token_ids,
 )
 from minivllm.exceptions import ValidationError
 
 logger = logging.getLogger("minivllm")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per forwarded request
 
+T = TypeVar("T")
 DEFAULT_HEALTH_INTERVAL = 2.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_READ_TIMEOUT = 600.0
@@ -90,8 +92,7 @@ def relayed(upstream: httpx.Response) -> dict[str, str]:
 
 
 class ReplicaFailed(Exception):
-    """The replica could not serve the request: connection refused, reset, or a 5xx while
-    its /health is not ok."""
+    """The replica could not serve the request: refused, reset, a 5xx with /health not ok, out of rotation."""
 
 
 @dataclass
@@ -134,6 +135,7 @@ class Router:
         self.timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         self.stats = RouterStats(requests={u: 0 for u in urls}, failures={u: 0 for u in urls})
         self.client: httpx.AsyncClient | None = None
+        self._out = [asyncio.Event() for _ in urls]  # set: replica i left the rotation
 
     # -- lifecycle (the app's lifespan) --------------------------------------------------
     async def start(self) -> None:
@@ -149,10 +151,11 @@ class Router:
     # -- health ----------------------------------------------------------------------------
     def take_out(self, i: int, why: str) -> None:
         replica = self.replicas[i]
-        if replica.healthy:
+        if replica.healthy:  # counted once, however many of its requests saw it fail
             logger.warning("replica %s is out of rotation: %s", replica.name, why)
+            self.stats.failures[replica.name] += 1
         replica.healthy = False
-        self.stats.failures[replica.name] += 1
+        self._out[i].set()
         if isinstance(self.policy, PrefixAware):  # when it comes back its cache is not ours to guess
             self.policy.forget(replica.name)
 
@@ -173,30 +176,11 @@ class Router:
                 missed[i] = 0 if ok else missed[i] + 1
                 if ok and not replica.healthy:
                     logger.info("replica %s is back in rotation", replica.name)
-                    replica.healthy = True
+                    replica.healthy, self._out[i] = True, asyncio.Event()
                 elif replica.healthy and missed[i] >= 2:
                     self.take_out(i, "its /health did not answer 200 twice in a row")
 
     # -- choosing ---------------------------------------------------------------------------
-    def prompt_token_ids(self, path: str, body: Any) -> list[int]:
-        """The token ids the replica will see, for ``prefix_aware``; [] when not needed or
-        when the body is not one the replica would accept (it will say why)."""
-        if self.tokenizer is None or not isinstance(body, dict):
-            return []
-        try:
-            if path.endswith("/chat/completions"):
-                return apply_chat_template(self.tokenizer, body.get("messages"))
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one, as the server unwraps it
-            if isinstance(prompt, str):
-                return self.tokenizer.encode(prompt, add_special_tokens=False)
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt
-        except (ValidationError, ValueError, TypeError):
-            pass
-        return []
-
     def choose(self, token_ids: list[int]) -> int:
         try:
             i = self.policy.choose(token_ids, self.replicas)
@@ -215,7 +199,7 @@ class Router:
         except ValueError:
             body = None  # the replica answers the 400
         streaming = isinstance(body, dict) and body.get("stream") is True
-        token_ids = await asyncio.to_thread(self.prompt_token_ids, request.url.path, body)
+        token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, request.url.path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         for attempt in (0, 1):
             i = self.choose(token_ids)
@@ -242,9 +226,25 @@ class Router:
         what = f"HTTP {status}" if e is None else f"{type(e).__name__}: {e}"
         return ReplicaFailed(f"replica {self.replicas[i].name}: {what}")
 
+    async def _unless_out(self, i: int, step: Awaitable[T]) -> T:
+        """``step``, or :class:`ReplicaFailed` once replica i leaves the rotation (not
+        ``read_timeout``, 600 s by default, later)."""
+        task, out = asyncio.ensure_future(step), asyncio.ensure_future(self._out[i].wait())
+        try:
+            await asyncio.wait((task, out), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            out.cancel()
+            if not task.done():  # out of rotation, or the caller itself was cancelled (raising)
+                task.cancel()
+        if task.cancelled() or not task.done():
+            raise ReplicaFailed(f"replica {self.replicas[i].name}: out of rotation (its /health "
+                                f"stopped answering) with the request in flight")
+        return task.result()
+
     async def _send(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
         try:
-            r = await self.client.post(self.replicas[i].name + path, content=raw, headers=headers)
+            r = await self._unless_out(i, self.client.post(self.replicas[i].name + path, content=raw,
+                                                           headers=headers))
         except httpx.TransportError as e:
             raise self._failed(i, e) from None
         if r.status_code >= 500 and not await self.is_ok(i):
@@ -257,12 +257,11 @@ class Router:
         failure can still be retried elsewhere. After that, relay; a break becomes a last
         error event. ``outstanding`` falls when the relay ends, however it ends."""
         replica = self.replicas[i]
-        upstream = None
-        handed_over = False
+        upstream, handed_over = None, False
         try:
             req = self.client.build_request("POST", replica.name + path, content=raw, headers=headers)
             try:
-                upstream = await self.client.send(req, stream=True)
+                upstream = await self._unless_out(i, self.client.send(req, stream=True))
                 if upstream.status_code != 200:  # an error answer, as JSON: relay it whole
                     content = await upstream.aread()
                     if upstream.status_code >= 500 and not await self.is_ok(i):
@@ -270,22 +269,23 @@ class Router:
                     return Response(content, status_code=upstream.status_code,
                                     media_type=upstream.headers.get("content-type"), headers=relayed(upstream))
                 chunks = upstream.aiter_raw()
-                first = await chunks.__anext__()
+                first = await self._unless_out(i, chunks.__anext__())
             except httpx.TransportError as e:
                 raise self._failed(i, e) from None
             except StopAsyncIteration:
                 raise self._failed(i, None, 200) from None  # a stream that ended before it began
 
             async def relay() -> AsyncIterator[bytes]:
-                last = first
                 try:
-                    yield first
-                    async for last in chunks:
-                        yield last
-                except httpx.TransportError as e:
+                    yield (last := first)
+                    while True:
+                        yield (last := await self._unless_out(i, chunks.__anext__()))
+                except StopAsyncIteration:
+                    pass
+                except (httpx.TransportError, ReplicaFailed) as e:
                     self.take_out(i, f"{type(e).__name__}: {e}")
                     error = APIError(502, f"the replica {replica.name} failed mid-stream "
-                                     f"({type(e).__name__}); the answer is incomplete",
+                                     f"({type(e).__name__}: {e}); the answer is incomplete",
                                      "server_error", code="replica_failed")
                     cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
                     yield cut + f"data: {json.dumps({'error': error.as_dict()})}\n\n".encode()

@@ -37,8 +37,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from minivllm.core.block_pool import hash_block_tokens
+from minivllm.exceptions import ValidationError
 
 ROUTING_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
 
@@ -75,6 +77,31 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
         parent = hash_block_tokens(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def prompt_token_ids(tokenizer: Any, path: str, body: Any) -> list[int]:
+    """The token ids a replica will see for an HTTP request's body, as the server makes
+    them (the chat template applied exactly as it applies it), for ``prefix_aware``; []
+    without a tokenizer or when the body is not one the replica would accept (it will
+    say why)."""
+    if tokenizer is None or not isinstance(body, dict):
+        return []
+    # imported here: the simulator routes with this module and needs no tokenizer
+    from minivllm.entrypoints.chat_utils import apply_chat_template
+
+    try:
+        if path.endswith("/chat/completions"):
+            return apply_chat_template(tokenizer, body.get("messages"))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one, as the server unwraps it
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+    except (ValidationError, ValueError, TypeError):
+        pass
+    return []
 
 
 class RoutingPolicy:
