@@ -1,9 +1,10 @@
 """Clients built for vLLM work unchanged (issue 35): guidellm's and ``vllm bench serve``'s
 request bodies, vLLM's extension fields, and ``continuous_usage_stats``.
 
-guidellm 0.8.1 is not installed here (it pulls in ``datasets``, ``pyarrow``, ``sanic`` and
-more), so its bodies are reproduced exactly from its source
-(``guidellm/backends/openai/request_handlers.py``), as are those of vLLM's
+guidellm itself (a dev extra) runs a short benchmark against the server as it ships;
+its request bodies are also reproduced exactly from its source
+(``guidellm/backends/openai/request_handlers.py``), so that each field's handling is
+checked where a failure can say which, as are those of vLLM's
 ``vllm/benchmarks/lib/endpoint_request_func.py``. Both server designs are served: the
 default (the engine core in a process of its own) and the engine on a thread.
 """
@@ -12,7 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from tiny_chat import save_tiny_chat
@@ -172,3 +178,26 @@ def test_a_hostile_field_name_cannot_forge_a_header(client):
     assert r.status_code == 200, r.text
     assert "x-forged" not in r.headers
     assert r.headers[IGNORED_FIELDS_HEADER] == "a\\r\\nx-forged: 1,\\U0001f600\\xe9\\x11"
+
+
+def test_guidellm_benchmarks_the_server_with_every_request_successful(client, tiny_dir, tmp_path):
+    """guidellm 0.8.1 as a user runs it (its chat endpoint, streaming, synthetic prompts
+    of 64 tokens and 16 output tokens, 4 at a time): every request succeeds, and each
+    gets the 16 tokens it asked for."""
+    pytest.importorskip("guidellm")
+    guidellm = shutil.which("guidellm", path=str(Path(sys.executable).parent)) or "guidellm"
+    report = tmp_path / "guidellm.json"
+    cmd = [guidellm, "run", "--backend", f"kind=openai_http,target={client.base_url}",
+           "--profile", "kind=concurrent,streams=4",
+           "--data", "kind=synthetic_text,prompt_tokens=64,output_tokens=16",
+           "--constraint", "kind=max_requests,count=8",
+           "--tokenizer", f"kind=huggingface_auto,model={tiny_dir}",
+           "--output", f"kind=json,path={report}", "--disable-progress"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    benchmark = json.loads(report.read_text())["benchmarks"][0]
+    state, requests = benchmark["scheduler_state"], benchmark["requests"]
+    assert state["successful_requests"] == 8, state
+    assert state["errored_requests"] == 0 and state["cancelled_requests"] == 0, requests["errored"][:1]
+    assert [r["output_tokens"] for r in requests["successful"]] == [16] * 8
