@@ -139,21 +139,31 @@ def test_smoothing_tames_an_outlier_channel():
 
 def test_bench_quantization_reports_every_setting_against_float32():
     """The benchmark end to end on a tiny model with SmolLM2's tokenizer: one row per
-    setting, float32 first and agreeing with itself, int8 at about a quarter of the bytes
-    (smoothed on the calibration text), every number a number."""
+    setting, float32 first and agreeing with itself, int8 at about a quarter of the weight
+    bytes (smoothed on the calibration text), an fp8 cache at four times the tokens per GiB,
+    every number a number."""
     from tiny_chat import tiny_chat_llm
 
-    from minivllm.bench.quantization import TASKS, quantization_benchmark
+    from minivllm.bench.quantization import SETTINGS, TASKS, quantization_benchmark
 
     base = tiny_chat_llm()
     model, tokenizer = base.llm_engine.model, base.get_tokenizer()
-    rows = quantization_benchmark(model, tokenizer, rounds=1, num_requests=4, chunks=2)
-    assert [r["quantization"] for r in rows] == ["none (float32)", "int8"]
-    fp32, int8 = rows
-    # int8's ratios are against the float32 row of the same run
-    assert int8["batch-1 speedup"] == pytest.approx(int8["batch-1 decode tok/s"] / fp32["batch-1 decode tok/s"])
-    assert 0 <= int8["greedy identical"] <= 1 and 0 <= int8["tokens before first difference"] <= 48
+    rows = quantization_benchmark(model, tokenizer, rounds=1, num_requests=4, chunks=2, output_len=(4, 16))
+    assert [(r["quantization"], r["kv_cache_dtype"]) for r in rows] == [(q or "none", kv) for q, kv in SETTINGS]
+    assert [r["setting"] for r in rows] == ["none (float32)", "int8 weights", "fp8 KV cache",
+                                            "int8 weights + fp8 KV cache"]
+    fp32, int8, fp8_kv, both = rows
+    # the ratios are against the float32 row of the same run
+    for row in (int8, fp8_kv, both):
+        assert row["batch-1 speedup"] == pytest.approx(row["batch-1 decode tok/s"] / fp32["batch-1 decode tok/s"])
+        assert 0 <= row["greedy identical"] <= 1 and 0 <= row["tokens before first difference"] <= 48
+    assert fp32["greedy identical"] == 1
     assert fp32["linear weights MB"] / 4 < int8["linear weights MB"] < fp32["linear weights MB"] / 3.5
+    assert fp8_kv["linear weights MB"] == fp32["linear weights MB"]
+    # the cache's bytes per token, not the weights, decide the tokens per GiB
+    assert int8["KV tokens per GiB"] == fp32["KV tokens per GiB"]
+    assert fp8_kv["KV tokens per GiB"] == both["KV tokens per GiB"]
+    assert fp8_kv["KV tokens per GiB"] // 4 == fp32["KV tokens per GiB"]
     for row in rows:
         assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1
         assert row["batch-1 decode tok/s"] > 0 and row["4 requests out tok/s"] > 0

@@ -1,11 +1,14 @@
-"""Quantization mode: what 8-bit weights buy in speed and memory, and what they cost in quality.
+"""Quantization mode: what 8-bit weights and an 8-bit KV cache buy in speed and memory,
+and what they cost in quality.
 
-``minivllm bench quantization`` loads the model once and serves it as each setting of
-``quantization`` (None, the float32 baseline, first; then "int8";
-``minivllm.worker.quantization``), measuring every setting the same way in the same
-process:
+``minivllm bench quantization`` loads the model once and serves it in each setting of
+``quantization`` and ``kv_cache_dtype`` (:data:`SETTINGS`: float32 weights and cache, the
+baseline, first; then int8 weights, ``minivllm.worker.quantization``; an fp8 cache,
+``minivllm.worker.kv_cache_quant``; and both), measuring every setting the same way in
+the same process:
 
-* **memory**: the bytes of the linear layers' weights (what a decode step reads);
+* **memory**: the bytes of the linear layers' weights (what a decode step reads), and the
+  tokens whose keys and values fit in one GiB of KV cache (what a batch can hold);
 * **speed**: batch-1 decode (one request at a time, output tokens per second after its
   first token) and 32 requests at once (output tokens per second over the run), in
   ``--rounds`` interleaved rounds so a disturbance hits every setting alike; the median
@@ -18,8 +21,8 @@ process:
 * **answers**: short questions with one right answer (arithmetic, capitals), right when
   the answer appears in the reply.
 
-The float32 row is also checked against itself: its greedy tokens are the baseline, so
-its agreement is 1.0 by construction and is not a finding.
+The float32 row's greedy tokens are the baseline, so its agreement is 1.0 by construction
+and is not a finding.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from minivllm.config import QUANTIZATION_METHODS
 from minivllm.entrypoints.llm import LLM
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.workload import chat_workload, corpus_documents
+from minivllm.worker.model_runner import kv_cache_bytes_per_token
 
-SETTINGS: tuple[str | None, ...] = (None, *QUANTIZATION_METHODS)
-"""The rows: None (float32 weights, the baseline) first."""
+Setting = tuple[str | None, str]
+"""(``quantization``, ``kv_cache_dtype``), as ``LLM`` takes them."""
+
+SETTINGS: tuple[Setting, ...] = ((None, "auto"), ("int8", "auto"), (None, "fp8"), ("int8", "fp8"))
+"""The rows: float32 weights and cache (the baseline) first."""
 
 TASKS: tuple[tuple[str, str], ...] = (
     ("What is 7 times 8? Answer with the number only.", "56"),
@@ -120,30 +126,41 @@ def throughput(llm: LLM, workload) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
 
 
-def quantization_benchmark(model, tokenizer, settings: Sequence[str | None] = SETTINGS, rounds: int = 3,
-                           num_requests: int = 32, seed: int = 0, chunks: int = 16) -> list[dict]:
-    """One row per setting (float32 first: every ratio and agreement is against it)."""
-    llms = {q: LLM(copy.deepcopy(model) if q else model, tokenizer=tokenizer, quantization=q,
-                   log_stats_interval=None) for q in settings}
-    workload = chat_workload(tokenizer, num_requests, seed)
-    speed: dict = {q: {"b1": [], "b32": []} for q in settings}
+def label(setting: Setting) -> str:
+    """A row's name: what is quantized."""
+    weights, kv = setting
+    parts = ([f"{weights} weights"] if weights else []) + ([f"{kv} KV cache"] if kv != "auto" else [])
+    return " + ".join(parts) or "none (float32)"
+
+
+def quantization_benchmark(model, tokenizer, settings: Sequence[Setting] = SETTINGS, rounds: int = 3,
+                           num_requests: int = 32, seed: int = 0, chunks: int = 16,
+                           output_len: tuple[int, int] = (16, 128)) -> list[dict]:
+    """One row per setting (the first is the baseline: every ratio and agreement is against
+    it); ``output_len``: the range of the throughput workload's output lengths."""
+    llms = {s: LLM(copy.deepcopy(model) if s[0] else model, tokenizer=tokenizer, quantization=s[0],
+                   kv_cache_dtype=s[1], log_stats_interval=None) for s in settings}
+    workload = chat_workload(tokenizer, num_requests, seed, output_len=output_len)
+    speed: dict = {s: {"b1": [], "b32": []} for s in settings}
     for _ in range(rounds):  # interleaved: a disturbance slows every setting alike
-        for q, llm in llms.items():
-            speed[q]["b1"].append(batch1_decode(llm))
-            speed[q]["b32"].append(throughput(llm, workload))
+        for s, llm in llms.items():
+            speed[s]["b1"].append(batch1_decode(llm))
+            speed[s]["b32"].append(throughput(llm, workload))
     text = text_chunks(tokenizer, chunks, 256)
     rows, base = [], None
-    for q, llm in llms.items():
+    for s, llm in llms.items():
         greedy = chat(llm, AGREEMENT_PROMPTS, 48)
         answers = chat(llm, [t for t, _ in TASKS], 24)
         right = sum(a in tokenizer.decode(ids) for ids, (_, a) in zip(answers, TASKS, strict=True))
-        report = llm.llm_engine.quantization
-        row = {"quantization": q or "none (float32)",
+        engine = llm.llm_engine
+        report = engine.quantization
+        row = {"setting": label(s), "quantization": s[0] or "none", "kv_cache_dtype": s[1],
                "linear weights MB": (report.bytes_after if report else _linear_bytes(model)) / 1e6,
-               "batch-1 decode tok/s": statistics.median(speed[q]["b1"]),
-               "batch-1 range": _spread(speed[q]["b1"]),
-               f"{num_requests} requests out tok/s": statistics.median(speed[q]["b32"]),
-               f"{num_requests} requests range": _spread(speed[q]["b32"]),
+               "KV tokens per GiB": 2**30 // kv_cache_bytes_per_token(engine.model, engine.kv_cache_dtype),
+               "batch-1 decode tok/s": statistics.median(speed[s]["b1"]),
+               "batch-1 range": _spread(speed[s]["b1"]),
+               f"{num_requests} requests out tok/s": statistics.median(speed[s]["b32"]),
+               f"{num_requests} requests range": _spread(speed[s]["b32"]),
                "perplexity": perplexity(llm, text),
                "answers right": f"{right}/{len(TASKS)}"}
         base = base or (row, greedy)
@@ -171,7 +188,7 @@ def _linear_bytes(model) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    """``minivllm bench quantization``: float32 against int8 weights, speed and quality."""
+    """``minivllm bench quantization``: float32 against int8 weights and an fp8 KV cache, speed and quality."""
     from minivllm.worker.model_loader import load_model
 
     for flag, value in (("--rounds", args.rounds), ("--num-requests", args.num_requests)):
