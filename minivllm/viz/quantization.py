@@ -1,7 +1,7 @@
 """Quantization drawn (notebook 15): the bytes a batch-1 decode step reads and the time
 they imply, activation outliers per input channel, the rounding error of each scheme per
-layer, float32 against int8 side by side, and the step at which an int8 model's greedy
-text parts from float32's.
+layer, float32 against int8 side by side, the step at which an int8 model's greedy
+text parts from float32's, and the per-layer scales of an 8-bit KV cache.
 
 Like every figure in :mod:`minivllm.viz`, these take numbers and return the Figure; they
 never run a model. A measured time (a *spread* below) is anything with ``low``, ``median`` and
@@ -25,6 +25,7 @@ CHANNEL_MAXIMA_SIZE = (10.0, 3.6)
 LAYER_ERRORS_SIZE = (10.0, 3.8)
 TRADEOFF_SIZE = (13.0, 3.4)
 PARTING_SIZE = (8.0, 3.8)
+KV_SCALES_SIZE = (10.0, 3.6)
 VARIANT_COLORS = {"float32": DECODE_COLOR, "int8": PREFILL_COLOR}
 """float32 and int8 keep one colour in every figure of the notebook (another name gets
 the next colour of tab10)."""
@@ -209,4 +210,31 @@ def plot_parting_step(tokens: Sequence[str], probabilities: Mapping[str, Sequenc
     handles = [Patch(facecolor=variant_color(name, k), label=name) for k, name in enumerate(probabilities)]
     handles.append(Patch(facecolor="white", edgecolor="black", linewidth=1.8, label="each one's greedy choice"))
     ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(handles))
+    return fig
+
+
+def plot_kv_scales(k_scales: Sequence[float], v_scales: Sequence[float], landing: float | None = None,
+                   ax: Axes | None = None) -> Figure:
+    """An 8-bit KV cache's two scales per layer (vLLM's ``k_scale`` and ``v_scale``: a
+    cached number times its layer's scale is the key or value), for layer 0, 1, 2, ... on a
+    log axis. ``landing``: the fp8 number the largest calibration value is stored as (the
+    fp8 range over the headroom); given, a second axis on the right reads each scale as that
+    largest value (scale x landing).
+
+    What it shows: keys and values differ in size from layer to layer and from each other,
+    which is why each layer gets its own pair of scales rather than one for the model."""
+    if not len(k_scales) or len(k_scales) != len(v_scales):
+        raise ValueError("give one key scale and one value scale per layer")
+    fig, ax = _new_axes(ax, KV_SCALES_SIZE)
+    layers = range(len(k_scales))
+    ax.semilogy(layers, k_scales, "o-", ms=4, color=DECODE_COLOR, label="k_scale (keys)", gid="k_scale")
+    ax.semilogy(layers, v_scales, "s-", ms=4, color=PREFILL_COLOR, label="v_scale (values)", gid="v_scale")
+    ax.set_xlim(-0.5, len(k_scales) - 0.5)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("scale (log)")
+    if landing:
+        right = ax.secondary_yaxis("right", functions=(lambda s: s * landing, lambda m: m / landing))
+        right.set_ylabel(f"largest |value| at calibration\n(stored as {landing:g})")
+    ax.set_title("The 8-bit KV cache's scales, layer by layer", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     return fig

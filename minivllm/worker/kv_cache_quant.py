@@ -2,7 +2,7 @@
 
 Why: after the weights, the KV cache is what fills a serving engine's memory, and what
 it holds decides how many requests run at once. In float32 a token of SmolLM2-135M
-costs 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes = 92,160 bytes; in one byte
+costs 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes = 46,080 bytes; in one byte
 a quarter of that, so the same memory holds four times the tokens (twice, against a
 16-bit cache: what vLLM's documentation promises).
 
