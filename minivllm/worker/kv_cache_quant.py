@@ -44,6 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from minivllm.config import KV_CACHE_DTYPES
+from minivllm.worker.quantization import run_prompts
 
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 """What each ``kv_cache_dtype`` other than "auto" stores (vLLM: "fp8" means e4m3)."""
@@ -102,11 +103,8 @@ def calibrate_kv_scales(model: torch.nn.Module, kv_cache_dtype: str,
     AttentionInterface.register(_CALIBRATION_ATTENTION, recording_attention)
     before = model.config._attn_implementation
     model.set_attn_implementation(_CALIBRATION_ATTENTION)
-    device = next(model.parameters()).device
     try:
-        with torch.no_grad():
-            for ids in prompts:
-                model(torch.tensor([ids], device=device))
+        run_prompts(model, prompts)
     finally:
         model.set_attn_implementation(before)
     top = torch.finfo(dtype).max / KV_SCALE_HEADROOM

@@ -188,15 +188,21 @@ def activation_maxima(model: nn.Module, prompts: list[list[int]]) -> dict[nn.Lin
         maxima[layer] = seen if layer not in maxima else torch.maximum(maxima[layer], seen)
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if type(m) is nn.Linear]
-    device = next(model.parameters()).device
     try:
-        with torch.no_grad():
-            for ids in prompts:
-                model(torch.tensor([ids], device=device))
+        run_prompts(model, prompts)
     finally:
         for h in hooks:
             h.remove()
     return maxima
+
+
+def run_prompts(model: nn.Module, prompts: list[list[int]]) -> None:
+    """Run each prompt through the model as it is, one at a time, for what the caller's
+    hooks record (the int8 smoothing here, the KV cache's scales in kv_cache_quant)."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for ids in prompts:
+            model(torch.tensor([ids], device=device))
 
 
 def smoothing_factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTHING_ALPHA) -> torch.Tensor:
