@@ -125,6 +125,12 @@ class EngineConfig:
         1, "split the model across this many processes (rank 0 is the engine's own), by "
            "attention heads and MLP slices, joined by torch.distributed (gloo on a CPU, NCCL "
            "on GPUs, one per rank; minivllm.distributed); must divide the query and KV heads")
+    kv_transfer_config: dict | None = setting(
+        None, "a KV connector, as vLLM takes it: a dict (JSON on the command line) such as "
+              '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+              '"kv_connector_extra_config": {"num_cpu_blocks": 512, "disk_path": "kv", '
+              '"num_disk_blocks": 4096}}: prefix-cache blocks spill to RAM and disk and come '
+              "back as hits (minivllm.distributed.kv_transfer)")
     speculative_config: dict | None = setting(
         None, "speculative decoding, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -168,6 +174,12 @@ class EngineConfig:
                                               minimum=0, optional=True)
         if self.speculative_config is not None:  # checked here, read as a SpeculativeConfig
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).as_dict()
+        if self.kv_transfer_config is not None:  # checked here, read as a KVTransferConfig
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config).as_dict()
+            if not self.enable_prefix_caching:
+                raise ValidationError("kv_transfer_config", "the KV connector finds blocks by their "
+                                      "prefix-cache hashes: it needs enable_prefix_caching=True",
+                                      self.kv_transfer_config)
         for name in COMPONENT_FIELDS:
             spec = getattr(self, name)
             if name == "attention_backend" and spec in BACKENDS:
@@ -234,6 +246,51 @@ class SpeculativeConfig:
         disable = check_int("disable_by_batch_size", value.get("disable_by_batch_size"), minimum=1,
                             optional=True)
         return cls(method, k, hi, lo, adaptive, disable)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+KV_CONNECTORS = ("OffloadingConnector", "SharedStorageConnector")
+"""The KV connectors minivllm has (``minivllm.distributed.kv_transfer``)."""
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """A KV connector's settings, with vLLM's names (``vllm/config/kv_transfer.py``).
+
+    ``kv_connector`` names the connector; ``kv_role`` says whether this engine saves KV
+    ("kv_producer"), loads it ("kv_consumer") or both; ``kv_connector_extra_config`` is
+    the connector's own settings, checked by the connector."""
+
+    kv_connector: str = "OffloadingConnector"
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: Any) -> KVTransferConfig:
+        """From vLLM's dict form; unknown keys and names refused, naming the field."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValidationTypeError(
+                "kv_transfer_config", f"kv_transfer_config must be a dict such as "
+                f'{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, got {value!r}', value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValidationError("kv_transfer_config", f"kv_transfer_config: unknown keys {unknown}; "
+                                  f"known: {sorted(known)}", value)
+        for key, allowed in (("kv_connector", KV_CONNECTORS), ("kv_role", KV_ROLES)):
+            if value.get(key, getattr(cls, key)) not in allowed:
+                raise ValidationError(key, f"{key} must be one of {allowed}, got {value[key]!r}", value[key])
+        extra = value.get("kv_connector_extra_config", {})
+        if not isinstance(extra, dict):
+            raise ValidationTypeError("kv_connector_extra_config", "kv_connector_extra_config must be "
+                                      f"a dict, got {extra!r}", extra)
+        return cls(value.get("kv_connector", cls.kv_connector), value.get("kv_role", cls.kv_role),
+                   dict(extra))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -91,6 +91,12 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (``prompt_logprobs``): they need
+        their logits, so neither the prefix cache nor a KV connector may skip them."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

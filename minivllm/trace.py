@@ -53,6 +53,8 @@ class StepRecord:
     preempted: list[str] = field(default_factory=list)
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)
     """Tokens each newly admitted request found in the prefix cache."""
+    external_cache_hits: dict[str, int] = field(default_factory=dict)
+    """Tokens the KV connector loaded for each newly admitted request (after its hits)."""
     num_running: int = 0
     num_waiting: int = 0
     finished: list[str] = field(default_factory=list)
@@ -139,6 +141,7 @@ def make_step_record(step: int, scheduler_output: SchedulerOutput, scheduler: Sc
         block_ref_counts=refs,
         preempted=list(scheduler_output.preempted),
         prefix_cache_hits=dict(scheduler_output.prefix_cache_hits),
+        external_cache_hits=dict(scheduler_output.external_cache_hits),
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         finished=finished,

@@ -85,8 +85,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self.update_block_hashes(request)
-        scored = getattr(request, "prompt_logprobs", None)
-        if scored is not None and len(scored) < request.num_prompt_tokens:
+        if request.scores_prompt:
             # prompt_logprobs need the logits of every prompt position: a cached block would
             # skip them. Such a request reads no hits (its own blocks are still cached).
             return [], 0

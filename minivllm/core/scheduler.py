@@ -13,7 +13,8 @@ vLLM V1's policy, in about a hundred lines (notebooks 04, 06, 08):
    front of the waiting queue with ``num_computed_tokens = 0``, and later recomputes its
    prompt plus everything it had generated. Its output is unchanged; only time is lost.
 4. Then waiting requests are admitted first come, first served, while budget, KV blocks
-   and ``max_num_seqs`` allow. Prefix-cache hits are adopted here.
+   and ``max_num_seqs`` allow. Prefix-cache hits are adopted here, and with a KV
+   connector (``minivllm.distributed.kv_transfer``) the blocks it can load after them.
 
 The scheduler never touches tensors; the model runner never makes policy.
 
@@ -53,9 +54,11 @@ from typing import TYPE_CHECKING
 
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.sched_utils import advance_grammar, check_stop, recompute_failed_loads
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
+    from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
     from minivllm.worker.model_runner import ModelRunnerOutput
 
 
@@ -99,6 +102,10 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     prefix_cache_hits: dict[str, int] = field(default_factory=dict)
     """Tokens taken from the prefix cache by each request admitted this step."""
+    external_cache_hits: dict[str, int] = field(default_factory=dict)
+    """Tokens the KV connector loads for each request admitted this step (after its hits)."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's transfers for this step, for the worker side (None: no connector)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -118,6 +125,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        kv_connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
@@ -131,6 +139,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.policy = policy
+        self.kv_connector = kv_connector
         self.waiting: deque[Request] = deque()
         """First in line at the left. Under "priority", ordered by :meth:`priority_key`."""
         self.running: list[Request] = []
@@ -178,6 +187,8 @@ class Scheduler:
         # The tokens are as good as computed: the runner writes their K/V this step.
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        if self.kv_connector is not None and out.scheduled:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -217,7 +228,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            num_external = self.num_external_tokens(request, num_hit_tokens)  # 0 without a connector
+            num_new = request.num_tokens - num_hit_tokens - num_external
             if num_new > budget and not self.enable_chunked_prefill:
                 # Without chunking a prompt runs whole (add_request keeps prompts within the
                 # budget). A preempted request may have grown past the whole budget while it
@@ -226,18 +238,29 @@ class Scheduler:
                 if not (resumed and num_new > self.max_num_batched_tokens):
                     break
             num_new = min(num_new, budget)
-            if kv.allocate_slots(request, num_new, hits) is None:
+            if kv.allocate_slots(request, num_external + num_new, hits) is None:
                 break
             self.waiting.popleft()
-            request.num_computed_tokens = num_hit_tokens
+            if self.kv_connector is not None:  # the blocks to load into are allocated now
+                self.kv_connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), num_external)
+                out.external_cache_hits[request.request_id] = num_external
+            request.num_computed_tokens = num_hit_tokens + num_external
             out.scheduled.append(ScheduledRequest.make(request, num_new))
             if request.metrics.num_preemptions == 0:
-                request.metrics.num_cached_tokens = num_hit_tokens
+                request.metrics.num_cached_tokens = num_hit_tokens + num_external
             out.prefix_cache_hits[request.request_id] = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= num_new
         return budget
+
+    def num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        """Tokens after the prefix-cache hits that the KV connector can load instead of
+        computing (``minivllm.distributed.kv_transfer``): 0 without one."""
+        if self.kv_connector is None:
+            return 0
+        return self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
 
     def preempt_victim(self) -> Request:
         """Memory ran out (a running request could not get its blocks): preempt one
@@ -282,10 +305,11 @@ class Scheduler:
         a preempted request is consistent on its own, and will be recomputed.
         """
         kv = self.kv_cache_manager
-        admitted = [s for s in scheduler_output.scheduled
-                    if s.request.request_id in scheduler_output.prefix_cache_hits]
+        hits = scheduler_output.prefix_cache_hits
+        admitted = [s for s in scheduler_output.scheduled if s.request.request_id in hits]
         for s in scheduler_output.scheduled:
-            kv.uncache_blocks(s.request, s.num_computed_tokens)
+            # An admitted request's blocks after its own hits were to be loaded or computed.
+            kv.uncache_blocks(s.request, hits.get(s.request.request_id, s.num_computed_tokens))
             s.request.num_computed_tokens = s.num_computed_tokens
             s.request.spec_token_ids = list(s.spec_token_ids)
         for s in reversed(admitted):  # appendleft in reverse keeps their order
@@ -310,12 +334,17 @@ class Scheduler:
         checked after each, so nothing past a stop is ever kept; the KV of the rejected
         drafts is given up by rolling ``num_computed_tokens`` back over them.
         """
-        updated = []
+        updated, failed = [], set()
+        connector_output = model_runner_output.kv_connector_output
+        if self.kv_connector is not None:
+            self.kv_connector.update_connector_output(connector_output)
+            failed = recompute_failed_loads(scheduler_output, self.kv_cache_manager,
+                                            connector_output.invalid_block_ids)
         for s in scheduler_output.scheduled:
             request = s.request
             rid = request.request_id
-            if request.is_finished or (rid not in model_runner_output.sampled
-                                       and rid not in model_runner_output.errors):
+            if request.is_finished or rid in failed or (rid not in model_runner_output.sampled
+                                                        and rid not in model_runner_output.errors):
                 continue
             if rid in model_runner_output.errors:
                 request.error = model_runner_output.errors[rid]
@@ -328,7 +357,7 @@ class Scheduler:
                 self.rollback_rejected(request, num_rejected)
             for t in tokens:
                 request.append_output_token(t)
-                status = self._advance_grammar(request, t) or self._check_stop(request)
+                status = advance_grammar(request, t) or check_stop(request, self.max_model_len)
                 if status is not None:
                     self.finish_request(request, status)
                     break
@@ -344,35 +373,6 @@ class Scheduler:
         request.num_computed_tokens -= num_rejected
         self.kv_cache_manager.free_tail_blocks(request, request.num_computed_tokens)
 
-    def _advance_grammar(self, request: Request, token: int) -> RequestStatus | None:
-        """Structured output: move the request's grammar matcher over its new token.
-        Finished ("stop") once the grammar is complete and has accepted the end of
-        sequence, whatever ``ignore_eos`` or ``min_tokens`` say: no valid token is left.
-        A token the grammar refuses (the mask forbade it: only a bug gets here) finishes
-        the request with an error rather than letting it leave its grammar."""
-        if request.grammar is None:
-            return None
-        if not request.grammar.accept_token(token):
-            request.error = f"the grammar does not allow the sampled token {token}"
-            return RequestStatus.FINISHED_ERROR
-        return RequestStatus.FINISHED_STOPPED if request.grammar.is_terminated else None
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        params = request.sampling_params
-        token = request.output_token_ids[-1]
-        n = request.num_output_tokens
-        if n >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and n >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Finish (or abort) a request wherever it is, and free its blocks."""
         if request.is_finished:
@@ -382,6 +382,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._arrival_order.pop(request.request_id, None)

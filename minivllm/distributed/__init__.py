@@ -9,4 +9,8 @@ Two modules, named as in vLLM (``vllm/distributed/``):
 
 The worker processes, and the step inputs rank 0 broadcasts to them, are the executor's
 (:mod:`~minivllm.executor.multiproc_executor`, as ``vllm/v1/executor/``).
+
+:mod:`~minivllm.distributed.kv_transfer` is the other thing vLLM keeps here: the KV
+connector, through which KV blocks leave an engine and come back (offloading to RAM and
+disk today; to another engine in disaggregated prefill).
 """

@@ -34,6 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from minivllm.config import EngineConfig, SpeculativeConfig, load_component
 from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.kv_transfer import make_kv_connector
+from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minivllm.engine.output_processor import EngineCoreOutput, FrontEndFinish
 from minivllm.engine.processor import ProcessedPrompt, check_priority
 from minivllm.exceptions import ValidationError
@@ -110,6 +112,12 @@ class EngineCore:
         self.kv_cache_manager = kv_cache_manager_cls(
             size.num_blocks, config.block_size, config.enable_prefix_caching,
             block_pool_cls=load_component("block_pool_cls", config.block_pool_cls))
+        self.kv_connector: KVConnectorBase_V1 | None = None
+        """Where KV blocks come from and go to besides this engine's cache (None: nowhere)."""
+        if config.kv_transfer_config is not None:
+            self.kv_connector = make_kv_connector(
+                config, self.kv_cache_manager, self.model, kv_cache_shape(self.model.config),
+                self.kv_cache_dtype, self.kv_cache_quantization, simulated=model_runner is not None)
         self.scheduler = scheduler_cls(
             self.kv_cache_manager,
             max_num_seqs=config.max_num_seqs,
@@ -117,12 +125,14 @@ class EngineCore:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy,
+            **({} if self.kv_connector is None else {"kv_connector": self.kv_connector}),
         )
         make_runner = functools.partial(
             ModelRunner, self.model, self.kv_cache_manager, self.attention_backend_cls, self.device,
             self.dtype, config.seed, linear_plan=self.linear_plan,
             sampler_cls=load_component("sampler_cls", config.sampler_cls),
-            kv_cache_quantization=self.kv_cache_quantization)
+            kv_cache_quantization=self.kv_cache_quantization,
+            **({} if self.kv_connector is None else {"kv_connector": self.kv_connector}))
         self.executor: Executor
         """Runs each step's model work: in this process, or over tensor-parallel workers."""
         if model_runner is None and config.tensor_parallel_size > 1:
@@ -223,15 +233,6 @@ class EngineCore:
             self._finish_between_steps([r for r, why in requests if why == reason],
                                        RequestStatus.FINISHED_STOPPED if reason == "stop"
                                        else RequestStatus.FINISHED_ERROR)
-
-    def _finish_between_steps(self, requests: list[Request], status: RequestStatus) -> None:
-        """Finish unfinished requests now, with ``status``, and free their blocks."""
-        now = self.clock()
-        for request in requests:
-            self.scheduler.finish_request(request, status)
-            request.metrics.finished_time = now
-            self.stats.record_finished(request.metrics, request.finish_reason)
-        self.executor.remove_requests([r.request_id for r in requests])
 
     def _finish_between_steps(self, requests: list[Request], status: RequestStatus) -> None:
         """Finish unfinished requests now, with ``status``, and free their blocks."""
@@ -386,11 +387,15 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the tensor-parallel workers, if any, and let the KV connector keep what
+        should outlive the engine (idempotent)."""
         if getattr(self, "executor", None) is not None:  # None: __init__ failed before it
             self.executor.shutdown()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
 
     def get_metrics(self) -> list[Metric]:
         """Counters, gauges and histograms named like vLLM's (``minivllm:`` prefix)."""
-        return self.stats.get_metrics(self.scheduler_stats())
+        connector = [] if self.kv_connector is None else self.kv_connector.get_metrics()
+        return self.stats.get_metrics(self.scheduler_stats()) + connector
 

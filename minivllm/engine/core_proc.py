@@ -214,6 +214,7 @@ def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: st
     try:
         core = EngineCoreProc(EngineCore(config), inbox, outbox)
         core.run()
+        core.engine.shutdown()  # a KV connector writes what should outlive us
     except BaseException as e:
         logger.exception("the engine core failed")
         outbox.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))

@@ -204,6 +204,7 @@ def paged_attention_forward(
     dropout: float = 0.0,
     attn_backend: AttentionBackend | None = None,
     attn_metadata: AttentionMetadata | None = None,
+    kv_connector=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The attention function transformers calls in every layer.
@@ -211,6 +212,8 @@ def paged_attention_forward(
     Shapes from transformers: query ``[1, num_heads, num_tokens, head_dim]`` and key,
     value ``[1, num_kv_heads, num_tokens, head_dim]``: the whole flat batch is one
     "sequence" of ``num_tokens``. Returns ``[1, num_tokens, num_heads, head_dim]``.
+    With a KV connector (``minivllm.distributed.kv_transfer``) the layer waits for its
+    loaded blocks first and hands its cache to the connector to save after.
     """
     if attn_backend is None or attn_metadata is None:
         raise RuntimeError(
@@ -219,8 +222,13 @@ def paged_attention_forward(
         )
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = attn_backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
+    layer = module.layer_idx
+    if kv_connector is not None:
+        kv_connector.wait_for_layer_load(layer)
+    out = attn_backend.forward(layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
                                attn_metadata, scale)
+    if kv_connector is not None:
+        kv_connector.save_kv_layer(layer, attn_backend.kv_caches[layer], attn_metadata)
     return out.unsqueeze(0), None
 
 

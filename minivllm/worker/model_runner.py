@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.kv_transfer.base import KVConnectorOutput
 from minivllm.request import Request
 from minivllm.sample.logprobs import PositionLogprobs, compute_logprobs
 from minivllm.sample.metadata import SamplingMetadata
@@ -48,6 +49,7 @@ from minivllm.worker.kv_cache_quant import KVCacheQuantization
 from minivllm.worker.linear_plan import STOCK_PLAN, LinearPlan, planned_linear
 
 if TYPE_CHECKING:
+    from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
     from minivllm.executor.multiproc_executor import StepTiming
 
 
@@ -85,6 +87,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     """request_id -> why sampling failed for that one request (it is in no other field):
     the engine finishes it alone, with finish_reason "error"."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """With a KV connector: what its worker side reported after the step."""
 
 
 def prompt_logprob_rows(scheduler_output: SchedulerOutput) -> list[tuple[str, int, int, int]]:
@@ -119,6 +123,8 @@ class StepInputs:
     sampling: SamplingMetadata
     start: float
     """When the step's model work began (``perf_counter``): ``model_time`` counts from here."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's transfers for this step (``SchedulerOutput.kv_connector_metadata``)."""
 
 
 class ModelRunner:
@@ -134,11 +140,14 @@ class ModelRunner:
         sampler_cls: type = Sampler,
         num_kv_heads: int | None = None,
         kv_cache_quantization: KVCacheQuantization | None = None,
+        kv_connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         """``num_kv_heads``: the KV heads this runner's cache holds, by default all of
         the model's. With tensor parallelism ``model`` is one rank's shard, and the cache
         holds that rank's share of the heads. ``kv_cache_quantization``: an 8-bit cache's
-        dtype and per-layer scales (None: the cache in ``dtype``)."""
+        dtype and per-layer scales (None: the cache in ``dtype``). ``kv_connector``: its
+        worker side (``minivllm.distributed.kv_transfer``) is handed the cache here, and
+        each step's transfers around and inside the forward pass."""
         self.model = model
         self.device = device
         self.block_size = kv_cache_manager.block_size
@@ -161,6 +170,9 @@ class ModelRunner:
         ]
         self.attn_backend = get_attn_backend(attention_backend, self.kv_caches, device,
                                              kv_scales=quant.scales if quant else None)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_caches)
         self.sampler = sampler_cls(seed)
         self.rejection_sampler = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -248,18 +260,30 @@ class ModelRunner:
         sampler's, then those of prompt positions whose logprobs are asked for."""
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
         sampling = SamplingMetadata.build(requests, prompt_logprob_rows(scheduler_output), self._generator)
-        return StepInputs(inputs, logits_indices, sampling, time.perf_counter())
+        return StepInputs(inputs, logits_indices, sampling, time.perf_counter(),
+                          scheduler_output.kv_connector_metadata)
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The forward pass: logits at the kept rows only, ``[rows, vocab]``."""
         keep = step.logits_indices + [row[1] for row in step.sampling.prompt_rows]
-        with planned_linear(self.linears):
-            out = self.model(
-                **step.inputs,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
-            )
+        connector = self.kv_connector
+        if connector is not None:  # loads before the forward pass, saves layer by layer in it
+            connector.bind_connector_metadata(step.kv_connector_metadata)
+            connector.start_load_kv()
+        try:
+            with planned_linear(self.linears):
+                out = self.model(
+                    **step.inputs,
+                    use_cache=False,
+                    logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=self.device),
+                    **({} if connector is None else {"kv_connector": connector}),
+                )
+            if connector is not None:
+                connector.wait_for_save()
+        finally:
+            if connector is not None:
+                connector.clear_connector_metadata()
         return out.logits[0]
 
     @torch.inference_mode()
@@ -269,7 +293,9 @@ class ModelRunner:
         sampled, errors = self.sample(logits[:md.num_sample_rows], md)
         logprobs, prompt_logprobs = self.gather_logprobs(logits, md, sampled)
         return ModelRunnerOutput(sampled=sampled, errors=errors, model_time=time.perf_counter() - step.start,
-                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 kv_connector_output=None if self.kv_connector is None
+                                 else self.kv_connector.get_finished())
 
     def gather_logprobs(self, logits: torch.Tensor, md: SamplingMetadata, sampled: dict[str, list[int]]
                         ) -> tuple[dict[str, list[PositionLogprobs]], dict[str, list[PositionLogprobs]]]:

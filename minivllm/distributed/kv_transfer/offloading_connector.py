@@ -1,0 +1,280 @@
+"""OffloadingConnector: prefix-cache blocks that spill to RAM and disk, and come back.
+
+The engine's KV cache is small and fast (GPU memory in vLLM; a fixed 1 GiB here). When it
+is full, the prefix cache evicts the least recently freed block, and a later request with
+that prefix computes it again. This connector keeps a copy of every full block it sees
+computed in a bigger, slower tier, so an evicted prefix is *loaded* instead:
+
+    engine cache (fast, small)  ->  CPU tier (RAM, ``num_cpu_blocks``)  ->  disk tier (files)
+
+* **Store**, as blocks are computed: each step, the blocks that became full (and are in
+  no tier yet) get a slot in the CPU tier; each attention layer copies its keys and values
+  there right after writing them (``save_kv_layer``). When the CPU tier is full, its least
+  recently used block *spills* to the disk tier first, if there is one.
+* **Load**, on admission: after the local prefix cache gave its hits, the blocks right after
+  them are looked up in the CPU tier, then on disk (``get_num_new_matched_tokens``). They are
+  copied into the request's new blocks before the forward pass (``start_load_kv``), and the
+  request starts computing after them, exactly as after a local hit.
+* **Restart**: at shutdown the CPU tier is written to disk, and a new engine over the same
+  folder finds every block there.
+
+Tokens are identical with the connector on and off: a loaded block holds the bytes the
+engine computed for that very prefix (the hash chain covers every token before it).
+
+In vLLM: ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py`` (CPU
+only, asynchronous on CUDA streams, configured with ``kv_connector_extra_config``'s
+``num_cpu_blocks``; or ``--kv-offloading-size``); a disk tier is LMCache's
+(``LMCacheConnectorV1``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from minivllm.config import KVTransferConfig
+from minivllm.distributed.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+)
+from minivllm.exceptions import ValidationError, check_int
+from minivllm.kv_offload.tiers import CpuTier, DiskTier
+from minivllm.metrics import Counter, Gauge, Metric
+
+if TYPE_CHECKING:
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.scheduler import SchedulerOutput
+    from minivllm.request import Request
+
+EXTRA_CONFIG = {"num_cpu_blocks": "blocks the CPU tier holds (required)",
+                "disk_path": "folder of the disk tier (none: no disk tier)",
+                "num_disk_blocks": "blocks the disk tier holds (default 4096)"}
+
+
+@dataclass
+class OffloadingMetadata(KVConnectorMetadata):
+    loads: list[tuple[int, bytes, str, int | None]] = field(default_factory=list)
+    """(engine block id, hash, tier "cpu" or "disk", CPU slot) of each block to load."""
+    spills: list[tuple[bytes, int]] = field(default_factory=list)
+    """(hash, CPU slot) of blocks evicted from the CPU tier, to write to disk first."""
+    store_block_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    """Engine blocks to copy into CPU slots, layer by layer, as the forward pass writes them."""
+    store_hashes: list[bytes] = field(default_factory=list)
+    """The hashes of those blocks, in the same order."""
+
+
+@dataclass
+class OffloadingStats:
+    queries: int = 0
+    """Tokens of admitted requests looked up (vLLM's ``external_prefix_cache_queries``)."""
+    hits: Tally = field(default_factory=Tally)
+    """Tokens loaded, by tier."""
+    bytes: Tally = field(default_factory=Tally)
+    """Bytes moved, by transfer ("device_to_cpu", "cpu_to_disk", "cpu_to_device", "disk_to_device")."""
+    seconds: Tally = field(default_factory=Tally)
+    """Seconds spent moving them, by transfer."""
+
+
+class OffloadingConnector(KVConnectorBase_V1):
+    def __init__(self, config: KVTransferConfig, kv_cache_manager: KVCacheManager,
+                 block_shape: tuple[int, ...], dtype: torch.dtype, layout: str) -> None:
+        """``block_shape``: one offloaded block, ``(num_layers, 2, block_size, num_kv_heads,
+        head_dim)``; ``layout``: a description of the model and cache that computed the
+        blocks (the disk folder is named by its hash, so no other model reads them)."""
+        num_cpu, disk_path, num_disk = self.parse_extra_config(config)
+        self.saves = config.kv_role != "kv_consumer"
+        self.loads = config.kv_role != "kv_producer"
+        self.write_through = config.kv_role == "kv_producer"
+        """A producer writes each stored block to disk in the step that computed it."""
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.cpu = CpuTier(num_cpu, block_shape, dtype)
+        self.disk: DiskTier | None = None
+        if disk_path:
+            digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
+            folder = Path(str(disk_path)).expanduser() / digest
+            self.disk = DiskTier(folder, num_disk, block_shape, dtype)
+            (folder / "layout.txt").write_text(layout + "\n")
+        self.stats = OffloadingStats()
+        self._matched: dict[str, tuple[int, list[tuple[bytes, str]]]] = {}
+        """request id -> (first block looked up, the (hash, tier) found after it)."""
+        self._loads: list[tuple[int, bytes, str, int | None]] = []
+        self._num_stored: dict[str, int] = {}
+        """request id -> how many of its leading blocks have been offered for storing."""
+        self._pending_owner: dict[bytes, tuple[str, int]] = {}
+        self._invalid: set[int] = set()
+        """Engine blocks whose load failed this step."""
+
+    @staticmethod
+    def parse_extra_config(config: KVTransferConfig) -> tuple[int, str | None, int]:
+        """(CPU tier blocks, disk folder or None, disk tier blocks), each checked."""
+        extra = config.kv_connector_extra_config
+        unknown = sorted(set(extra) - set(EXTRA_CONFIG))
+        if unknown:
+            raise ValidationError("kv_connector_extra_config", f"OffloadingConnector: unknown keys "
+                                  f"{unknown}; known: {EXTRA_CONFIG}", extra)
+        if config.kv_role != "kv_both":
+            raise ValidationError("kv_role", "OffloadingConnector saves and loads its own blocks: "
+                                  f"kv_role must be 'kv_both', got {config.kv_role!r}", config.kv_role)
+        if "num_cpu_blocks" not in extra:
+            raise ValidationError("num_cpu_blocks", "OffloadingConnector needs kv_connector_extra_config"
+                                  '["num_cpu_blocks"]: how many blocks the CPU tier holds', extra)
+        num_cpu = check_int("num_cpu_blocks", extra["num_cpu_blocks"], minimum=1)
+        num_disk = check_int("num_disk_blocks", extra.get("num_disk_blocks", 4096), minimum=1)
+        if "num_disk_blocks" in extra and not extra.get("disk_path"):
+            raise ValidationError("num_disk_blocks", "num_disk_blocks needs a disk_path", extra)
+        return num_cpu, extra.get("disk_path"), num_disk
+
+    # -- scheduler side ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        if not self.loads or request.scores_prompt:  # prompt logprobs need every position's logits
+            return 0
+        start = num_computed_tokens // self.block_size
+        end = (request.num_tokens - 1) // self.block_size  # the last token always runs
+        found = []
+        for block_hash in request.block_hashes[start:end]:
+            tier = "cpu" if block_hash in self.cpu else \
+                "disk" if self.disk is not None and block_hash in self.disk else None
+            if tier is None:
+                break
+            found.append((block_hash, tier))
+        self._matched[request.request_id] = (start, found)
+        return len(found) * self.block_size
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        start, found = self._matched.pop(request.request_id, (0, []))
+        if request.metrics.num_preemptions == 0:
+            self.stats.queries += request.num_tokens
+        for j, (block_hash, tier) in enumerate(found[:num_external_tokens // self.block_size]):
+            slot = self.cpu.touch(block_hash) if tier == "cpu" else None
+            self._loads.append((block_ids[start + j], block_hash, tier, slot))
+            self.stats.hits[tier] += self.block_size
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata:
+        """This step's loads (from admissions), and the blocks it fills that no tier holds."""
+        for block_hash in self.cpu.drop_pending():  # the last step failed: its stores never ran
+            request_id, index = self._pending_owner[block_hash]
+            self._num_stored[request_id] = min(self._num_stored.get(request_id, 0), index)
+        self._pending_owner.clear()
+        meta = OffloadingMetadata(loads=self._loads)
+        self._loads = []
+        block_ids, slots = [], []
+        for s in scheduler_output.scheduled if self.saves else ():
+            request, rid = s.request, s.request.request_id
+            computed = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
+            num_full = min(computed // self.block_size, len(request.block_hashes))
+            start = self._num_stored.get(rid, 0)
+            table = self.kv_cache_manager.get_block_ids(rid) if num_full > start else []
+            for i in range(start, num_full):
+                block_hash = request.block_hashes[i]
+                if block_hash in self.cpu:
+                    self.cpu.touch(block_hash)
+                    continue
+                if self.cpu.has(block_hash) or (self.disk is not None and block_hash in self.disk):
+                    continue
+                slot, evicted = self.cpu.allocate(block_hash)
+                if slot is None:  # every CPU slot is taken by this step's stores
+                    num_full = i
+                    break
+                if evicted is not None and self.disk is not None:
+                    meta.spills.append(evicted)
+                block_ids.append(table[i])
+                slots.append(slot)
+                meta.store_hashes.append(block_hash)
+                self._pending_owner[block_hash] = (rid, i)
+            self._num_stored[rid] = max(start, num_full)
+        meta.store_block_ids = torch.tensor(block_ids, dtype=torch.int64)
+        meta.store_slots = torch.tensor(slots, dtype=torch.int64)
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.cpu.complete()
+        self._pending_owner.clear()
+
+    def request_finished(self, request: Request) -> None:
+        self._num_stored.pop(request.request_id, None)
+        self._matched.pop(request.request_id, None)
+
+    # -- worker side ------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        """Loads first, then spills: a block loaded this step may sit in a CPU slot that
+        this step's stores reuse, or in a file that a spill pushes out of the disk tier."""
+        meta = self._metadata
+        for block_id, block_hash, tier, slot in meta.loads:
+            t0 = time.perf_counter()
+            try:
+                block = self.cpu.pool[slot] if tier == "cpu" else self.disk.read(block_hash)
+            except Exception:  # logged and forgotten by the tier; the block is recomputed
+                self._invalid.add(block_id)
+                continue
+            for layer, (k, v) in enumerate(self.kv_caches):
+                k[block_id] = block[layer, 0]
+                v[block_id] = block[layer, 1]
+            self._count(f"{tier}_to_device", 1, t0)
+        for block_hash, slot in meta.spills:
+            if block_hash not in self.disk:  # a producer's blocks are there already
+                t0 = time.perf_counter()
+                self.disk.write(block_hash, self.cpu.pool[slot])
+                self._count("cpu_to_disk", 1, t0)
+
+    def wait_for_save(self) -> None:
+        """A producer's blocks go on to disk now, where the consumer looks for them."""
+        meta = self._metadata
+        if self.write_through and meta is not None:
+            for block_hash, slot in zip(meta.store_hashes, meta.store_slots.tolist()):
+                t0 = time.perf_counter()
+                self.disk.write(block_hash, self.cpu.pool[slot])
+                self._count("cpu_to_disk", 1, t0)
+
+    def get_finished(self) -> KVConnectorOutput:
+        invalid, self._invalid = self._invalid, set()
+        return KVConnectorOutput(invalid_block_ids=invalid)
+
+    def save_kv_layer(self, layer_idx, kv_layer, attn_metadata) -> None:
+        meta = self._metadata
+        if meta is None or not len(meta.store_slots):
+            return
+        t0 = time.perf_counter()
+        k, v = kv_layer
+        self.cpu.pool[meta.store_slots, layer_idx, 0] = k[meta.store_block_ids]
+        self.cpu.pool[meta.store_slots, layer_idx, 1] = v[meta.store_block_ids]
+        self._count("device_to_cpu", len(meta.store_slots) / len(self.kv_caches), t0)
+
+    def _count(self, transfer: str, num_blocks: float, t0: float) -> None:
+        self.stats.seconds[transfer] += time.perf_counter() - t0
+        self.stats.bytes[transfer] += round(num_blocks * self.block_bytes)
+
+    # -- both -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Write the CPU tier's blocks to disk, so that the next engine finds them."""
+        if self.disk is None:
+            return
+        for block_hash, slot in self.cpu.slots.items():
+            if block_hash not in self.disk:
+                t0 = time.perf_counter()
+                self.disk.write(block_hash, self.cpu.pool[slot])
+                self._count("cpu_to_disk", 1, t0)
+
+    def get_metrics(self) -> list[Metric]:
+        p, s = "minivllm:", self.stats
+        tiers = ("cpu", "disk") if self.disk is not None else ("cpu",)
+        return [
+            Counter(p + "external_prefix_cache_queries", s.queries),
+            Counter(p + "external_prefix_cache_hits", sum(s.hits.values())),
+            *(Counter(p + "kv_offload_hits", s.hits[t], {"tier": t}) for t in tiers),
+            *(Gauge(p + "kv_offload_blocks", len(self.cpu.slots) if t == "cpu" else len(self.disk.files),
+                    {"tier": t}) for t in tiers),
+            *(Counter(p + "kv_offload_bytes", n, {"transfer_type": t}) for t, n in sorted(s.bytes.items())),
+            *(Counter(p + "kv_offload_seconds", x, {"transfer_type": t})
+              for t, x in sorted(s.seconds.items())),
+        ]

@@ -1,0 +1,193 @@
+"""The KV connector's offloading tiers: prefix-cache blocks that spill to RAM and disk.
+
+What must hold: tokens identical with the connector on and off (and to transformers'
+generate), a prefix evicted from the engine's cache served from RAM, from disk, and from
+disk after a restart, counted per tier; no block left owned; bad configs refused by name.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import all_blocks_free, hf_greedy, run_engine
+
+from minivllm import LLM
+from minivllm.entrypoints.openai.prometheus import render_metrics
+from minivllm.exceptions import ValidationError
+from minivllm.worker.model_loader import make_tiny_model
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", vocab_size=VOCAB)
+
+
+def offload(num_cpu_blocks: int, disk_path=None) -> dict:
+    extra = {"num_cpu_blocks": num_cpu_blocks}
+    if disk_path is not None:
+        extra["disk_path"] = str(disk_path)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def metric(llm: LLM, name: str, **labels) -> float:
+    return sum(m.value for m in llm.get_metrics()
+               if m.name == "minivllm:" + name and all(m.labels.get(k) == v for k, v in labels.items()))
+
+
+def admitted_hits(llm: LLM, request_index: int) -> tuple[int, int]:
+    """(local prefix-cache hits, tokens loaded by the connector) of a request when admitted."""
+    rid = str(request_index)
+    step = next(s for s in llm.trace.steps if rid in s.prefix_cache_hits)
+    return step.prefix_cache_hits[rid], step.external_cache_hits[rid]
+
+
+SMALL = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=64, log_stats_interval=None)
+
+
+def test_identical_tokens_with_offloading_under_eviction_and_preemption(model):
+    rng = random.Random(3)
+    systems = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(3)]
+    prompts = [rng.choice(systems) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
+               for _ in range(10)]
+    lengths = [rng.randint(10, 24) for _ in prompts]
+    on = LLM(model, **SMALL, max_num_seqs=4, kv_transfer_config=offload(64))
+    off = LLM(model, **SMALL, max_num_seqs=4)
+    a, b = run_engine(on, prompts, lengths), run_engine(off, prompts, lengths)
+    assert a == b == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+    assert sum(len(s.preempted) for s in on.trace.steps) > 0
+    assert metric(on, "kv_offload_hits", tier="cpu") > 0  # the small cache evicted, RAM gave back
+    assert metric(on, "external_prefix_cache_hits") == sum(
+        sum(s.external_cache_hits.values()) for s in on.trace.steps)
+    assert metric(on, "kv_offload_bytes", transfer_type="cpu_to_device") > 0
+    assert all_blocks_free(on)
+    text = render_metrics(on.get_metrics()).decode()  # what /metrics serves
+    hits = int(metric(on, "kv_offload_hits", tier="cpu"))
+    assert f'minivllm:kv_offload_hits_total{{tier="cpu"}} {hits}.0' in text
+    assert "minivllm:external_prefix_cache_queries_total" in text
+
+
+def evict_with_other_prompts(llm: LLM, rng: random.Random, n: int = 3) -> None:
+    """Three unrelated 40-token prompts: each takes 11 of the 16 blocks, so every cached
+    block of an earlier request is reused for them."""
+    others = [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(n)]
+    for p in others:
+        run_engine(llm, [p], [4])
+
+
+def test_an_evicted_prefix_comes_back_from_ram_from_disk_and_after_a_restart(model, tmp_path):
+    rng = random.Random(4)
+    prefix = [rng.randrange(VOCAB) for _ in range(24)]  # 6 full blocks of 4
+    again = [prefix + [rng.randrange(VOCAB) for _ in range(5)] for _ in range(3)]
+    expect = [hf_greedy(model, p, 6) for p in again]
+
+    # RAM: the CPU tier holds everything, the engine's 16 blocks do not.
+    ram = LLM(model, **SMALL, kv_transfer_config=offload(64))
+    run_engine(ram, [prefix], [4])
+    evict_with_other_prompts(ram, rng)
+    assert run_engine(ram, [again[0]], [6]) == [expect[0]]
+    assert admitted_hits(ram, 4) == (0, 24)  # nothing left locally; all six blocks from RAM
+    assert metric(ram, "kv_offload_hits", tier="cpu") == 24
+
+    # Disk: a 4-block CPU tier spills the prefix's blocks to disk as the others arrive.
+    disk = LLM(model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    run_engine(disk, [prefix], [4])
+    evict_with_other_prompts(disk, rng)
+    assert run_engine(disk, [again[1]], [6]) == [expect[1]]
+    assert admitted_hits(disk, 4) == (0, 24)
+    assert metric(disk, "kv_offload_hits", tier="disk") == 24
+    assert metric(disk, "kv_offload_bytes", transfer_type="cpu_to_disk") > 0
+    assert all_blocks_free(disk)
+    disk.close()  # writes the CPU tier to disk too
+
+    # Restart: a new engine over the same folder starts with the blocks on disk.
+    restarted = LLM(model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    assert run_engine(restarted, [again[2]], [6]) == [expect[2]]
+    assert admitted_hits(restarted, 0) == (0, 24)
+    assert metric(restarted, "kv_offload_hits", tier="disk") == 24
+
+
+def test_another_model_never_reads_the_blocks(model, tmp_path):
+    prompt = list(range(10, 40))
+    first = LLM(model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    run_engine(first, [prompt], [3])
+    first.close()
+    other_model = make_tiny_model("llama", vocab_size=VOCAB, seed=1)
+    other = LLM(other_model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    assert run_engine(other, [prompt], [5]) == [hf_greedy(other_model, prompt, 5)]
+    assert metric(other, "external_prefix_cache_hits") == 0
+    assert len(list(tmp_path.iterdir())) == 2  # one folder per model
+
+
+def test_an_unreadable_disk_block_is_recomputed(model, tmp_path):
+    """A block file that cannot be read (another process removed it, a torn disk) is
+    dropped, and the request computes from there: the same tokens, nothing hangs."""
+    prompt = list(range(50, 80))
+    first = LLM(model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    run_engine(first, [prompt], [3])
+    first.close()
+    files = sorted(tmp_path.glob("*/*.safetensors"))
+    assert len(files) == 8  # 30 prompt tokens and 2 of the 3 outputs computed: 32 = 8 blocks
+    for f in files[::2]:
+        f.write_bytes(b"not a block")
+    again = LLM(model, **SMALL, kv_transfer_config=offload(4, tmp_path))
+    assert run_engine(again, [prompt + [1, 2]], [6]) == [hf_greedy(model, prompt + [1, 2], 6)]
+    assert any(not f.exists() for f in files[::2])  # a bad file was read, and forgotten
+    assert all_blocks_free(again)
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"kv_connector": "NixlConnector"}, "kv_connector"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "sender"}, "kv_role"),
+    ({"kv_connector": "OffloadingConnector", "color": 1}, "kv_transfer_config"),
+    ({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {}}, "num_cpu_blocks"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"num_cpu_blocks": 0}}, "num_cpu_blocks"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"num_cpu_blocks": 4, "size": 1}}, "kv_connector_extra_config"),
+    ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"num_cpu_blocks": 4}}, "kv_role"),
+])
+def test_bad_configs_are_refused_by_name(model, config, field):
+    with pytest.raises(ValidationError) as e:
+        LLM(model, **SMALL, kv_transfer_config=config)
+    assert e.value.param == field
+
+
+def test_the_connector_needs_prefix_caching(model):
+    with pytest.raises(ValidationError, match="enable_prefix_caching"):
+        LLM(model, **SMALL, enable_prefix_caching=False, kv_transfer_config=offload(4))
+
+
+def shared(role: str, path) -> dict:
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(path)}}
+
+
+def test_disaggregated_prefill_through_a_shared_folder(model, tmp_path):
+    """A prefill engine computes the prompts (max_tokens=1, as vLLM's proxy sends them); a
+    decode engine over the same folder loads every full block and computes only the last
+    partial one, and generates exactly what one engine alone does."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(4)]
+    prefill = LLM(model, **SMALL, kv_transfer_config=shared("kv_producer", tmp_path))
+    decode = LLM(model, **SMALL, kv_transfer_config=shared("kv_consumer", tmp_path))
+    run_engine(prefill, prompts, [1] * len(prompts))
+    assert metric(prefill, "external_prefix_cache_hits") == 0  # a producer never loads
+    outputs = run_engine(decode, prompts, [8] * len(prompts))
+    assert outputs == [hf_greedy(model, p, 8) for p in prompts]
+    for i, p in enumerate(prompts):
+        local, loaded = admitted_hits(decode, i)
+        assert (local, loaded) == (0, (len(p) - 1) // 4 * 4)
+    computed = sum(s.num_prefill_tokens for s in decode.trace.steps)
+    assert computed == sum(len(p) - (len(p) - 1) // 4 * 4 for p in prompts)  # 1 to 4 each
+    assert not list(tmp_path.glob("*/*.tmp*"))  # every file complete under its real name
+    assert all_blocks_free(prefill) and all_blocks_free(decode)
+
+
+def test_shared_storage_needs_its_folder(model):
+    with pytest.raises(ValidationError) as e:
+        LLM(model, **SMALL, kv_transfer_config={"kv_connector": "SharedStorageConnector"})
+    assert e.value.param == "shared_storage_path"
