@@ -247,6 +247,18 @@ def test_prefix_caching_benchmark_saves_prefill_work(tiny):
         prefix_caching_benchmark(w, tiny, None, dict(block_size=8, device="cpu"), rounds=0)
 
 
+def test_offload_benchmark_serves_each_way_from_its_tier(tiny, tmp_path):
+    from minivllm.bench import offload_benchmark
+
+    (row,) = offload_benchmark(tiny, None, prompt_lens=(37,), rounds=2, block_size=8,
+                               folder=str(tmp_path))
+    # It raises unless RAM and disk each served the 32 tokens of the 4 full blocks before the
+    # last token, and the first token was the same all four ways.
+    assert [len(row[way].samples) for way in ("computed", "local hit", "from RAM", "from disk")] == [2] * 4
+    assert row["KV MB"] > 0 and row["cpu_to_device GB/s"] > 0 and row["disk_to_device GB/s"] > 0
+    assert len(list(tmp_path.glob("*/*.safetensors"))) >= 2 * 4
+
+
 def test_speculative_benchmark_rows_keep_the_tokens():
     """Every row of ``bench speculative`` (fixed k and the engine's own choice) serves the
     copy workload with the same greedy tokens as k = 0, and says so."""

@@ -31,6 +31,7 @@ anything. The names below are the ones notebooks and tests import from
 """
 
 from minivllm.bench.common import load_tokenizer
+from minivllm.bench.kv_offload import offload_benchmark
 from minivllm.bench.latency import (
     ChunkedPrefillResult,
     LatencyPoint,
@@ -72,6 +73,6 @@ __all__ = [
     "priority_workload", "format_simulation", "kv_memory_report",
     "kv_slots_held", "latency_benchmark", "latency_point", "linear_benchmark", "load_tokenizer",
     "plot_chunked_prefill", "plot_cost_model_fit", "latency_key", "plot_latency_vs_rate", "plot_memory",
-    "plot_throughput", "prefix_caching_benchmark", "replay_workload", "run_hf_continuous",
+    "offload_benchmark", "plot_throughput", "prefix_caching_benchmark", "replay_workload", "run_hf_continuous",
     "run_hf_generate", "run_hf_static", "run_minivllm", "throughput_benchmark",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from minivllm.bench import (
     cluster,
+    kv_offload,
     latency,
     linear,
     memory,
@@ -44,6 +45,7 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
                                "no_chunked_prefill_check", "figures")),
     "memory": (memory.main, ("block_size", "num_requests", "seed", "max_model_len", "figures")),
     "prefix": (prefix_caching.main, (*ENGINE, "num_requests", "seed", "rounds")),
+    "offload": (kv_offload.main, ("block_size", "max_num_batched_tokens", "seed", "rounds", "prompt_lens")),
     "linear": (linear.main, ("rounds",)),
     "speculative": (speculative.main, ("block_size", "max_num_batched_tokens", "num_requests", "seed",
                                        "workloads", "spec_rows")),
@@ -105,6 +107,7 @@ OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings
     "router_concurrency": dict(type=int, default=4,
                                help="clients sending requests through the router at once"),
     "out": dict(default=None, help="where to write the cost model JSON"),
+    "prompt_lens": dict(default="256,1024", help="prompt lengths in tokens, comma-separated"),
     "minutes": dict(type=float, default=30.0, help="how long the soak runs"),
     "fault_interval": dict(type=float, default=20.0, help="seconds between two injected faults"),
     "faults": dict(default=",".join(soak.FAULTS), help=f"the fault cycle, a subset of {','.join(soak.FAULTS)}"),
