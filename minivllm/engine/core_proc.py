@@ -200,26 +200,42 @@ class EngineCoreProc:
                               self.engine.kv_cache_manager.usage, self.num_added))
 
 
+class Terminated(Exception):
+    """SIGTERM reached the engine core (a service manager stops the whole group)."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated
+
+
 def run_engine_core(config: EngineConfig, inbox_address: str, outbox_address: str,
                     log_level: int) -> None:
-    """The engine core process's main function (the target of ``Process``)."""
+    """The engine core process's main function (the target of ``Process``). It ends on
+    Shutdown, when the server is gone, or on SIGTERM (as vLLM's does: a service manager
+    such as systemd sends it to every process of the service), each time after the engine
+    has shut down in order, so a KV connector keeps what should outlive it."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the server shuts us down in order
+    signal.signal(signal.SIGTERM, _terminate)
     context = zmq.Context()
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(inbox_address)
     outbox.connect(outbox_address)
     outbox.setsockopt(zmq.LINGER, 2000)  # let the last message (Failed) leave before exit
     encoder = msgspec.msgpack.Encoder()
+    core = None
     try:
         core = EngineCoreProc(EngineCore(config), inbox, outbox)
         core.run()
-        core.engine.shutdown()  # a KV connector writes what should outlive us
+    except Terminated:
+        logger.info("SIGTERM: the engine core stops")
     except BaseException as e:
         logger.exception("the engine core failed")
         outbox.send(encoder.encode(Failed(f"{type(e).__name__}: {e}")))
         raise SystemExit(1) from None
     finally:
+        if core is not None:
+            core.engine.shutdown()
         inbox.close(linger=0)
         outbox.close()
         context.term()

@@ -64,11 +64,9 @@ class OffloadingMetadata(KVConnectorMetadata):
     """(engine block id, hash, tier "cpu" or "disk", CPU slot) of each block to load."""
     spills: list[tuple[bytes, int]] = field(default_factory=list)
     """(hash, CPU slot) of blocks evicted from the CPU tier, to write to disk first."""
-    store_block_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    store_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    """Engine blocks to copy into CPU slots, layer by layer, as the forward pass writes them."""
-    store_hashes: list[bytes] = field(default_factory=list)
-    """The hashes of those blocks, in the same order."""
+    stores: list[tuple[int, int, bytes]] = field(default_factory=list)
+    """(engine block id, CPU slot, hash) of each block to copy, layer by layer, as the
+    forward pass writes it."""
 
 
 @dataclass
@@ -168,7 +166,6 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._pending_owner.clear()
         meta = OffloadingMetadata(loads=self._loads)
         self._loads = []
-        block_ids, slots = [], []
         for s in scheduler_output.scheduled if self.saves else ():
             request, rid = s.request, s.request.request_id
             computed = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
@@ -188,13 +185,9 @@ class OffloadingConnector(KVConnectorBase_V1):
                     break
                 if evicted is not None and self.disk is not None:
                     meta.spills.append(evicted)
-                block_ids.append(table[i])
-                slots.append(slot)
-                meta.store_hashes.append(block_hash)
+                meta.stores.append((table[i], slot, block_hash))
                 self._pending_owner[block_hash] = (rid, i)
             self._num_stored[rid] = max(start, num_full)
-        meta.store_block_ids = torch.tensor(block_ids, dtype=torch.int64)
-        meta.store_slots = torch.tensor(slots, dtype=torch.int64)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -231,7 +224,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         """A producer's blocks go on to disk now, where the consumer looks for them."""
         meta = self._metadata
         if self.write_through and meta is not None:
-            for block_hash, slot in zip(meta.store_hashes, meta.store_slots.tolist()):
+            for _, slot, block_hash in meta.stores:
                 t0 = time.perf_counter()
                 self.disk.write(block_hash, self.cpu.pool[slot])
                 self._count("cpu_to_disk", 1, t0)
@@ -242,13 +235,16 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_idx, kv_layer, attn_metadata) -> None:
         meta = self._metadata
-        if meta is None or not len(meta.store_slots):
+        if meta is None or not meta.stores:
             return
         t0 = time.perf_counter()
         k, v = kv_layer
-        self.cpu.pool[meta.store_slots, layer_idx, 0] = k[meta.store_block_ids]
-        self.cpu.pool[meta.store_slots, layer_idx, 1] = v[meta.store_block_ids]
-        self._count("device_to_cpu", len(meta.store_slots) / len(self.kv_caches), t0)
+        # One copy per block: each is a contiguous run of bytes on both sides. (A single
+        # indexed assignment into the pool's strided view measured 50 times slower.)
+        for block_id, slot, _ in meta.stores:
+            self.cpu.pool[slot, layer_idx, 0].copy_(k[block_id])
+            self.cpu.pool[slot, layer_idx, 1].copy_(v[block_id])
+        self._count("device_to_cpu", len(meta.stores) / len(self.kv_caches), t0)
 
     def _count(self, transfer: str, num_blocks: float, t0: float) -> None:
         self.stats.seconds[transfer] += time.perf_counter() - t0
