@@ -297,3 +297,58 @@ def test_stored_listings_are_the_code_as_it_is(path):
         stored = "".join("".join(o.get("text", "")) for o in c["outputs"] if o["output_type"] == "stream")
         assert stored.strip() == inspect.getsource(obj).strip(), (
             f"cell {i}: the stored listing of {m[1]} is not the code as it is: execute {path.name} again")
+
+
+COPIED = {"Scheduler": "minivllm.core.scheduler", "KVCacheManager": "minivllm.core.kv_cache_manager"}
+"""The engine classes whose methods a solution copies, changing the lines it marks ``CHANGED``."""
+
+
+def _body(code: str) -> list[str]:
+    """A method's lines without its docstring, blank lines and trailing spaces (the
+    ``def`` line stays: the comparison skips it, a copy may leave out annotations)."""
+    lines = [line.rstrip() for line in code.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[1].strip().startswith(('"""', "'''")):
+        quote = lines[1].strip()[:3]
+        end = next(i for i in range(1, len(lines)) if lines[i].rstrip().endswith(quote)
+                   and (i > 1 or lines[i].strip().count(quote) == 2))
+        lines = [lines[0]] + lines[end + 1:]
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_solution_copies_are_the_code_as_it_is(path):
+    """A solution that subclasses Scheduler (or KVCacheManager) and says it copies a method
+    "as it is in the file", changing the lines marked CHANGED, must copy today's method:
+    every line that differs from the package's is marked CHANGED."""
+    import difflib
+    import importlib
+    import inspect
+
+    for c in code_cells(load(path)):
+        code = source(c)
+        if "CHANGED" not in code:
+            continue
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            continue
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            bases = [b.id for b in cls.bases if isinstance(b, ast.Name) and b.id in COPIED]
+            if not bases:
+                continue
+            engine_cls = getattr(importlib.import_module(COPIED[bases[0]]), bases[0])
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
+                real = getattr(engine_cls, fn.name, None)
+                if real is None:
+                    continue
+                lines = code.splitlines()[fn.lineno - 1:fn.end_lineno]  # whole lines: comments too
+                ours = _body(inspect.cleandoc("\n" + "\n".join(lines)))
+                theirs = _body(inspect.cleandoc("\n" + inspect.getsource(real)))
+                matcher = difflib.SequenceMatcher(None, theirs[1:], ours[1:])
+                theirs, ours = theirs[1:], ours[1:]
+                for op, i1, i2, j1, j2 in matcher.get_opcodes():
+                    if op != "equal":
+                        assert any("CHANGED" in line for line in ours[j1:j2]), (
+                            f"{path.name}: {cls.name}.{fn.name} differs from {bases[0]}.{fn.name} "
+                            f"where no line says CHANGED:\n- " + "\n- ".join(theirs[i1:i2])
+                            + "\n+ " + "\n+ ".join(ours[j1:j2]))

@@ -338,6 +338,38 @@ def test_architecture_names_modules_that_exist():
         assert (root / path).exists(), path
 
 
+def test_architecture_arrows_and_labels_stay_off_other_boxes():
+    # An arrow that cuts the corner of a box it does not join, or a label over a box's
+    # edge, reads as a path through that part (the course review's notebook 00 figure).
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Annotation
+
+    fig = viz.plot_architecture()
+    ax = fig.axes[0]
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = {gid[4:]: p.get_window_extent(renderer) for gid, p in patches_by_gid(ax, "box:").items()}
+    arrows = [t for t in ax.texts if isinstance(t, Annotation)]
+    assert len(arrows) == 11
+    for arrow in arrows:
+        ends = set(arrow.get_gid().removeprefix("flow:").split("->"))
+        for poly in arrow.arrow_patch.get_path().to_polygons(closed_only=False):
+            points = np.concatenate([np.linspace(p, q, 50) for p, q in zip(poly[:-1], poly[1:])])
+            for key, box in boxes.items():
+                if key not in ends:
+                    assert not any(box.contains(x, y) for x, y in points), (arrow.get_gid(), key)
+    for text in ax.texts:
+        if isinstance(text, Annotation) or not text.get_text().strip():
+            continue
+        extent = text.get_window_extent(renderer)
+        for key, box in boxes.items():  # a text is wholly inside a box or wholly outside it
+            if box.overlaps(extent):
+                assert (box.x0 <= extent.x0 and extent.x1 <= box.x1
+                        and box.y0 <= extent.y0 and extent.y1 <= box.y1), (text.get_text(), key)
+
+
 def test_flat_batch_draws_every_token_and_boundary():
     # a decode of request "a" (position 17) and a 3-token chunk of request "b" (positions 4-6)
     fig = viz.plot_flat_batch(

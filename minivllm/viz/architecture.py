@@ -41,6 +41,12 @@ _ARCHITECTURE_FLOW = [
     ("engine", "detokenizer", "4 new token ids,\neach step", 0.0), ("detokenizer", "server", "stream", 0.0),
     ("detokenizer", "llm", "RequestOutput", -0.2),
 ]
+# Arrows whose straight centre-to-centre line would cut the corner of a box in between:
+# (from, to) -> (start, end, label centre), in the axes' units.
+_ARCHITECTURE_PORTS = {
+    ("server", "engine"): ((3.8, 5.25), (4.8, 6.6), (4.3, 5.95)),
+    ("engine", "detokenizer"): ((5.1, 6.25), (3.8, 3.0), (3.9, 3.62)),
+}
 # The boundary of the engine core process of ``minivllm serve`` (x0, y0, x1, y1): the
 # scheduler, KV cache manager, model runner and step loop; the API server stays outside.
 _ENGINE_CORE_PROCESS = (4.55, -0.55, 13.25, 7.95)
@@ -84,11 +90,16 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
             fontsize=7.5, color="#1f4e79", style="italic")
     for a, b, label, arc in _ARCHITECTURE_FLOW:
         (x0, y0), (x1, y1) = centres[a], centres[b]
-        if arc:  # around the side of the boxes in between: leave and enter sideways
+        ha = "center"
+        if (a, b) in _ARCHITECTURE_PORTS:
+            start, end, mid = _ARCHITECTURE_PORTS[a, b]
+        elif arc:  # around the side of the boxes in between: leave and enter sideways
             side = (w / 2 + 0.05) * (1 if arc > 0 else -1)
             start, end = (x0 + side, y0), (x1 + side, y1 - 0.3)
             # a quadratic curve bulges by half its control point's offset, rad x length
             mid = (start[0] + 0.5 * arc * abs(end[1] - start[1]), (start[1] + end[1]) / 2)
+            # the label sits outside the bulge, clear of the boxes the curve goes around
+            mid, ha = (mid[0] + (0.08 if arc > 0 else -0.08), mid[1]), ("left" if arc > 0 else "right")
         else:  # leave and enter each box through its edge, not its centre
             dx, dy = x1 - x0, y1 - y0
             scale = min(abs((w / 2 + 0.1) / dx) if dx else math.inf,
@@ -100,7 +111,7 @@ def plot_architecture(ax: Axes | None = None) -> Figure:
                             arrowprops=dict(arrowstyle="-|>", color="#333333", lw=1.1,
                                             connectionstyle=f"arc3,rad={arc}"))
         arrow.set_gid(f"flow:{a}->{b}")
-        ax.text(*mid, label, ha="center", va="center", fontsize=7.5, color="#8b2f00",
+        ax.text(*mid, label, ha=ha, va="center", fontsize=7.5, color="#8b2f00",
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=0.5))
     ax.set_xlim(-1.2, 13.4)
     ax.set_ylim(-0.7, 8.1)

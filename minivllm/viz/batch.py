@@ -202,8 +202,9 @@ def plot_flat_batch(
         kind = "decode" if q_len == 1 and lens[s] > 1 else \
             "prefill" if q_len == lens[s] else "prefill chunk"
         real = math.ceil(lens[s] / block_size)
-        ax.text(0, y, f"request {request_ids[s]}: {kind}, {q_len} new token(s) at positions "
-                      f"{pos[qsl[s]]}-{pos[qsl[s + 1] - 1]}, seq_lens = {lens[s]}; its block table "
+        where = (f"1 new token at position {pos[qsl[s]]}" if q_len == 1 else
+                 f"{q_len} new tokens at positions {pos[qsl[s]]}-{pos[qsl[s + 1] - 1]}")
+        ax.text(0, y, f"request {request_ids[s]}: {kind}, {where}, seq_lens = {lens[s]}; its block table "
                       f"(block i holds positions {block_size}i to {block_size}i+{block_size - 1}):",
                 fontsize=8, va="center")
         for j, b in enumerate(tables[s]):
