@@ -34,6 +34,7 @@ from minivllm.exceptions import (
     check_bool,
     check_float,
     check_int,
+    check_keys,
 )
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -224,11 +225,7 @@ class SpeculativeConfig:
             raise ValidationTypeError(
                 "speculative_config", f"speculative_config must be a dict such as "
                 f'{{"method": "ngram", "num_speculative_tokens": 4}}, got {value!r}', value)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValidationError("speculative_config", f"speculative_config: unknown keys {unknown}; "
-                                  f"known: {sorted(known)}", value)
+        check_keys("speculative_config", value, {f.name for f in dataclasses.fields(cls)})
         if "num_speculative_tokens" not in value:
             raise ValidationError("speculative_config",
                                   "speculative_config needs num_speculative_tokens", value)
@@ -277,11 +274,7 @@ class KVTransferConfig:
             raise ValidationTypeError(
                 "kv_transfer_config", f"kv_transfer_config must be a dict such as "
                 f'{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, got {value!r}', value)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValidationError("kv_transfer_config", f"kv_transfer_config: unknown keys {unknown}; "
-                                  f"known: {sorted(known)}", value)
+        check_keys("kv_transfer_config", value, {f.name for f in dataclasses.fields(cls)})
         for key, allowed in (("kv_connector", KV_CONNECTORS), ("kv_role", KV_ROLES)):
             if value.get(key, getattr(cls, key)) not in allowed:
                 raise ValidationError(key, f"{key} must be one of {allowed}, got {value[key]!r}", value[key])

@@ -67,6 +67,22 @@ def check_float(param: str, value: Any, minimum: float | None = None,
     return value
 
 
+def check_keys(param: str, value: dict, known: Any, owner: str | None = None) -> None:
+    """Refuse a settings dict with keys nobody reads, naming them and the known ones: a
+    typo is an error rather than a setting silently left at its default."""
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValidationError(param, f"{owner or param}: unknown keys {unknown}; known: {sorted(known)}",
+                              value)
+
+
+def check_path(param: str, value: Any) -> str:
+    """A folder or file name: a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValidationTypeError(param, f"{param} must be a non-empty path string, got {value!r}", value)
+    return value
+
+
 def check_bool(param: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValidationTypeError(

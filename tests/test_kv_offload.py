@@ -147,6 +147,12 @@ def test_an_unreadable_disk_block_is_recomputed(model, tmp_path):
       "kv_connector_extra_config": {"num_cpu_blocks": 0}}, "num_cpu_blocks"),
     ({"kv_connector": "OffloadingConnector",
       "kv_connector_extra_config": {"num_cpu_blocks": 4, "size": 1}}, "kv_connector_extra_config"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"num_cpu_blocks": 4, "disk_path": 7}}, "disk_path"),
+    ({"kv_connector": "OffloadingConnector",
+      "kv_connector_extra_config": {"num_cpu_blocks": 4, "num_disk_blocks": 8}}, "num_disk_blocks"),
+    ({"kv_connector": "SharedStorageConnector",
+      "kv_connector_extra_config": {"shared_storage_path": ""}}, "shared_storage_path"),
     ({"kv_connector": "OffloadingConnector", "kv_role": "kv_producer",
       "kv_connector_extra_config": {"num_cpu_blocks": 4}}, "kv_role"),
 ])

@@ -61,12 +61,9 @@ class KVConnectorMetadata:
 
 @dataclass
 class KVConnectorOutput:
-    """What the worker side reports after a step (vLLM's ``KVConnectorOutput``)."""
+    """What the worker side reports after a step (vLLM's ``KVConnectorOutput``, which also
+    names the requests whose asynchronous sends and receives finished: none are here)."""
 
-    finished_sending: set[str] = field(default_factory=set)
-    """Requests whose blocks have all left (a connector that saves asynchronously)."""
-    finished_recving: set[str] = field(default_factory=set)
-    """Requests whose blocks have all arrived (a connector that loads asynchronously)."""
     invalid_block_ids: set[int] = field(default_factory=set)
     """Engine blocks whose load failed: they hold garbage, and the requests holding them
     compute again from there (``minivllm.core.sched_utils.recompute_failed_loads``)."""

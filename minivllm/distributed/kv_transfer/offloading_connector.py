@@ -44,7 +44,7 @@ from minivllm.distributed.kv_transfer.base import (
     KVConnectorMetadata,
     KVConnectorOutput,
 )
-from minivllm.exceptions import ValidationError, check_int
+from minivllm.exceptions import ValidationError, check_int, check_keys, check_path
 from minivllm.kv_offload.tiers import CpuTier, DiskTier
 from minivllm.metrics import Counter, Gauge, Metric
 
@@ -99,7 +99,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.disk: DiskTier | None = None
         if disk_path:
             digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
-            folder = Path(str(disk_path)).expanduser() / digest
+            folder = Path(disk_path).expanduser() / digest
             self.disk = DiskTier(folder, num_disk, block_shape, dtype)
             (folder / "layout.txt").write_text(layout + "\n")
         self.stats = OffloadingStats()
@@ -116,10 +116,7 @@ class OffloadingConnector(KVConnectorBase_V1):
     def parse_extra_config(config: KVTransferConfig) -> tuple[int, str | None, int]:
         """(CPU tier blocks, disk folder or None, disk tier blocks), each checked."""
         extra = config.kv_connector_extra_config
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG))
-        if unknown:
-            raise ValidationError("kv_connector_extra_config", f"OffloadingConnector: unknown keys "
-                                  f"{unknown}; known: {EXTRA_CONFIG}", extra)
+        check_keys("kv_connector_extra_config", extra, EXTRA_CONFIG, "OffloadingConnector")
         if config.kv_role != "kv_both":
             raise ValidationError("kv_role", "OffloadingConnector saves and loads its own blocks: "
                                   f"kv_role must be 'kv_both', got {config.kv_role!r}", config.kv_role)
@@ -128,9 +125,12 @@ class OffloadingConnector(KVConnectorBase_V1):
                                   '["num_cpu_blocks"]: how many blocks the CPU tier holds', extra)
         num_cpu = check_int("num_cpu_blocks", extra["num_cpu_blocks"], minimum=1)
         num_disk = check_int("num_disk_blocks", extra.get("num_disk_blocks", 4096), minimum=1)
-        if "num_disk_blocks" in extra and not extra.get("disk_path"):
+        disk_path = extra.get("disk_path")
+        if disk_path is not None:
+            check_path("disk_path", disk_path)
+        elif "num_disk_blocks" in extra:
             raise ValidationError("num_disk_blocks", "num_disk_blocks needs a disk_path", extra)
-        return num_cpu, extra.get("disk_path"), num_disk
+        return num_cpu, disk_path, num_disk
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:

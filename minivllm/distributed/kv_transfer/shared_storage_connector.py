@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from minivllm.config import KVTransferConfig
 from minivllm.distributed.kv_transfer.offloading_connector import OffloadingConnector
-from minivllm.exceptions import ValidationError, check_int
+from minivllm.exceptions import ValidationError, check_int, check_keys, check_path
 
 EXTRA_CONFIG = {"shared_storage_path": "the folder both engines use (required)",
                 "num_cpu_blocks": "blocks staged in RAM between the forward pass and the folder (default 256)",
@@ -38,14 +38,11 @@ class SharedStorageConnector(OffloadingConnector):
     @staticmethod
     def parse_extra_config(config: KVTransferConfig) -> tuple[int, str | None, int]:
         extra = config.kv_connector_extra_config
-        unknown = sorted(set(extra) - set(EXTRA_CONFIG))
-        if unknown:
-            raise ValidationError("kv_connector_extra_config", f"SharedStorageConnector: unknown keys "
-                                  f"{unknown}; known: {EXTRA_CONFIG}", extra)
-        if not extra.get("shared_storage_path"):
+        check_keys("kv_connector_extra_config", extra, EXTRA_CONFIG, "SharedStorageConnector")
+        if "shared_storage_path" not in extra:
             raise ValidationError("shared_storage_path", "SharedStorageConnector needs "
                                   'kv_connector_extra_config["shared_storage_path"]: the folder '
                                   "the producer writes and the consumer reads", extra)
         num_cpu = check_int("num_cpu_blocks", extra.get("num_cpu_blocks", 256), minimum=1)
         num_disk = check_int("num_disk_blocks", extra.get("num_disk_blocks", 65536), minimum=1)
-        return num_cpu, extra["shared_storage_path"], num_disk
+        return num_cpu, check_path("shared_storage_path", extra["shared_storage_path"]), num_disk
