@@ -251,7 +251,7 @@ def test_a_stopped_replica_and_a_dead_replica_core_behind_the_router(tiny_dir, t
     when it is resumed; a replica whose core is killed exits 1 and stays out; the other
     serves."""
     from minivllm.entrypoints.openai.api_server import ServerThread
-    from minivllm.entrypoints.router import build_router_app
+    from minivllm.entrypoints.router_app import build_router_app
 
     replicas = [Served(tiny_dir, tmp_path / f"replica{i}.log", env={"VLLM_ENGINE_ITERATION_TIMEOUT_S": "3"})
                 for i in range(2)]

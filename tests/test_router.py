@@ -10,6 +10,7 @@ reference answer is the replica's own, asked directly.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from tiny_chat import deadline, save_tiny_chat  # noqa: E402
 
 from minivllm.entrypoints.data_parallel import LocalReplicas, free_port  # noqa: E402
 from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
-from minivllm.entrypoints.router import build_router_app  # noqa: E402
+from minivllm.entrypoints.router_app import build_router_app  # noqa: E402
 from minivllm.worker.model_loader import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -70,7 +71,8 @@ def hits(url: str) -> float:
 
 
 def chat(base_url: str, messages, **kwargs):
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key=kwargs.pop("api_key", "none"), timeout=TIMEOUT,
+                           max_retries=0)
     model = kwargs.pop("model", None) or client.models.list().data[0].id
     return client.chat.completions.create(model=model, messages=messages, **kwargs)
 
@@ -308,6 +310,10 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp
     cmd = [sys.executable, "-c", "import sys; from minivllm.entrypoints.cli import main; sys.exit(main())", "serve",
            "--data-parallel-size", "2", "--routing-policy", "prefix_aware", "--model", tiny_dir,
            "--port", str(port), "--uvicorn-log-level", log_level, *SERVE_ARGS]
+    # Tenants: the router holds the limits, the replicas get the keys (their own file).
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "t", "api_key": "sk-t", "max_tokens_per_minute": 1000}]}))
+    cmd += ["--tenants", str(tenants)]
     log = tmp_path / "serve.log"
     parent = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})  # SIGKILL loses no line
@@ -323,8 +329,12 @@ def test_serve_data_parallel_starts_answers_and_leaves_no_children(tiny_dir, tmp
                 time.sleep(0.2)
             health = httpx.get(url + "/health").json()
             assert len(health["replicas"]) == 2 and health["routing_policy"] == "prefix_aware"
-            answer = chat(url, [{"role": "user", "content": "Hi"}], max_tokens=4)
+            with pytest.raises(openai.AuthenticationError):
+                chat(url, [{"role": "user", "content": "Hi"}], max_tokens=4)
+            answer = chat(url, [{"role": "user", "content": "Hi"}], max_tokens=4, api_key="sk-t")
             assert answer.usage.completion_tokens == 4
+            used = scrape(url)[("minivllm:router_tenant_generation_tokens_total", (("tenant", "t"),))]
+            assert used == 4
             children = _children(parent.pid)
             assert len(children) == 2
             parent.send_signal(stop)

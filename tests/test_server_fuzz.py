@@ -35,7 +35,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from minivllm.entrypoints.data_parallel import LocalReplicas  # noqa: E402
 from minivllm.entrypoints.openai.api_server import ServerThread, build_app  # noqa: E402
-from minivllm.entrypoints.router import build_router_app  # noqa: E402
+from minivllm.entrypoints.router_app import build_router_app  # noqa: E402
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

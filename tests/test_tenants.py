@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -257,3 +258,96 @@ def test_cache_salt_per_key_gives_no_cross_tenant_hits(tiny_dir, design):
         assert empty.status_code == 400 and empty.json()["error"]["param"] == "cache_salt"
         assert prefix_hits(salted.url, "sk-alice") >= 5 * 16  # a tenant's own repeat still hits
         assert prefix_hits(salted.url, "sk-bob") >= 5 * 16
+
+
+# -- behind the router ---------------------------------------------------------------------
+def stream_chunks(url: str, key: str, **body) -> list[dict]:
+    """A streamed completion's chunks, as the client receives them."""
+    chunks = []
+    with httpx.stream("POST", url + C, headers={"Authorization": f"Bearer {key}"}, timeout=TIMEOUT,
+                      json={"prompt": "Hello", "max_tokens": 5, "ignore_eos": True, "stream": True,
+                            **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+def test_the_router_holds_each_tenants_limits_for_all_its_replicas(tiny_dir, tmp_path):
+    """Behind a round-robin router, a tenant's second request goes to the other replica,
+    which alone would admit it: the router holds the one seat count and the one bucket,
+    charged with the usage it reads off each answer, streamed or not."""
+    from minivllm.entrypoints.data_parallel import replica_tenants
+    from minivllm.entrypoints.router_app import build_router_app
+
+    path = tmp_path / "tenants.json"
+    path.write_text(json.dumps({"tenants": [
+        {"name": "alice", "api_key": "sk-alice", "max_concurrent_requests": 1},
+        {"name": "bob", "api_key": "sk-bob", "max_tokens_per_minute": 6},
+        {"name": "carol", "api_key": "sk-carol"},
+    ]}))
+    keys = replica_tenants(str(path), str(tmp_path))  # what `serve --data-parallel-size` starts replicas with
+    assert json.loads(open(keys).read()) == {"tenants": [  # names and keys, no limits
+        {"name": n, "api_key": f"sk-{n}"} for n in ("alice", "bob", "carol")]}
+    assert os.stat(keys).st_mode & 0o777 == 0o600
+    with ServerThread(serve(tiny_dir, "thread", tenants_file=keys)) as r0, \
+            ServerThread(serve(tiny_dir, "thread", tenants_file=keys)) as r1, \
+            ServerThread(build_router_app([r0.url, r1.url], "round_robin", tenants_file=str(path))) as rt:
+        url = rt.url
+        assert complete(url, "sk-nobody").status_code == 401
+
+        # The router asks the replica for usage in every chunk; the client sees what it asked for.
+        plain = stream_chunks(url, "sk-carol")
+        assert plain and not any("usage" in c for c in plain)
+        asked = stream_chunks(url, "sk-carol", stream_options={"include_usage": True})
+        assert [c["usage"]["completion_tokens"] for c in asked if "usage" in c] == [5]
+        assert asked[-1]["choices"] == [] and "usage" not in asked[0]
+        every = stream_chunks(url, "sk-carol", stream_options={"include_usage": True,
+                                                               "continuous_usage_stats": True})
+        assert all("usage" in c for c in every)
+        assert [c["text"] for c in plain[0]["choices"]] == [c["text"] for c in asked[0]["choices"]]
+
+        # alice's one seat, held by a stream on one replica, is refused on the other.
+        headers = {"Authorization": "Bearer sk-alice"}
+        with httpx.stream("POST", url + C, headers=headers, timeout=TIMEOUT, json={
+                "prompt": "Hello", "max_tokens": HELD, "ignore_eos": True, "stream": True}) as held:
+            assert held.status_code == 200
+            lines = held.iter_lines()
+            next(lines)
+            refused = complete(url, "sk-alice")
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "concurrency_limit"
+            assert refused.headers["Retry-After"] == "1"
+        deadline = time.monotonic() + 20
+        while (r := complete(url, "sk-alice")).status_code == 429:
+            assert time.monotonic() < deadline, "alice's seat never came back"
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+
+        # bob's first request (unstreamed) used more than his 6 tokens a minute.
+        first = complete(url, "sk-bob")
+        assert first.status_code == 200
+        refused = complete(url, "sk-bob")
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "token_rate_limit"
+
+        for replica in (r0, r1):
+            idle_metrics(replica.url)
+        m = scrape(url)
+        mine = {t: {k: m[(f"minivllm:router_tenant_{k}", (("tenant", t),))]
+                    for k in ("requests_total", "prompt_tokens_total", "generation_tokens_total")}
+                for t in ("alice", "bob", "carol")}
+        assert mine["carol"]["generation_tokens_total"] == 3 * 5
+        assert mine["carol"]["prompt_tokens_total"] == 3 * asked[-1]["usage"]["prompt_tokens"]
+        assert mine["bob"] == {"requests_total": 1, "prompt_tokens_total": first.json()["usage"]["prompt_tokens"],
+                               "generation_tokens_total": 4}
+        # alice's held stream was charged what it had relayed when she closed it.
+        assert 4 < mine["alice"]["generation_tokens_total"] <= 4 + HELD
+        assert m[("minivllm:router_tenant_rate_limited_requests_total",
+                  (("reason", "concurrency"), ("tenant", "alice")))] == 1
+        assert m[("minivllm:router_tenant_rate_limited_requests_total",
+                  (("reason", "token_rate"), ("tenant", "bob")))] == 1
+        # The replicas count by name too (re-exported with their replica label); both served.
+        per_replica = {labels: v for (name, labels), v in m.items()
+                       if name == "minivllm:tenant_generation_tokens_total" and ("tenant", "carol") in labels}
+        assert len(per_replica) == 2 and sum(per_replica.values()) == 3 * 5
+        assert "sk-" not in httpx.get(url + "/metrics").text

@@ -84,7 +84,7 @@ def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
 
     from minivllm.entrypoints.data_parallel import LocalReplicas
     from minivllm.entrypoints.openai.api_server import ServerThread
-    from minivllm.entrypoints.router import build_router_app
+    from minivllm.entrypoints.router_app import build_router_app
 
     rows, first = [], None
     argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",

@@ -43,10 +43,6 @@ def _serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1:
         from minivllm.entrypoints.data_parallel import engine_argv, run_data_parallel
 
-        if args.tenants is not None:  # each replica would keep its own count of each tenant
-            raise SystemExit("minivllm serve: --tenants (per-key limits) cannot be combined with "
-                             "--data-parallel-size: every replica would enforce the limits on its "
-                             "own share, so a tenant would get data-parallel-size times its limit")
         serve_argv = [*engine_argv(engine_kwargs(args)), "--max-waiting", str(args.max_waiting),
                       "--max-request-bytes", str(args.max_request_bytes),
                       "--engine-process" if args.engine_process else "--no-engine-process",
@@ -57,7 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
             serve_argv += ["--cache-salt-per-key"]
         run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
                           model=args.model, block_size=args.block_size, api_key=args.api_key,
-                          max_request_bytes=args.max_request_bytes,
+                          tenants_file=args.tenants, max_request_bytes=args.max_request_bytes,
                           uvicorn_log_level=args.uvicorn_log_level)
         return 0
 
@@ -69,10 +65,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from minivllm.entrypoints.router import run_router
+    from minivllm.entrypoints.router_app import run_router
 
     run_router(args.replica, args.routing_policy, args.host, args.port, model=args.model,
-               block_size=args.block_size, api_key=args.api_key, health_interval=args.health_interval,
+               block_size=args.block_size, api_key=args.api_key, tenants_file=args.tenants,
+               health_interval=args.health_interval,
                uvicorn_log_level=args.uvicorn_log_level)
     return 0
 
@@ -174,8 +171,11 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     rt.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
                     help="require 'Authorization: Bearer KEY' on /v1 for any of these keys "
                          "(the header is forwarded)")
+    rt.add_argument("--tenants", default=None, metavar="FILE",
+                    help="JSON file of tenants, as minivllm serve takes it: the router holds "
+                         "their limits for all the replicas (start these with the same keys)")
     rt.add_argument("--health-interval", type=float, default=2.0,
-                    help="seconds between probes of a replica out of rotation")
+                    help="seconds between probes of every replica's /health")
     rt.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="info",
                     help="uvicorn's log level (info: one access line per request)")
     rt.set_defaults(func=_router)

@@ -5,7 +5,7 @@
 The one-host shortcut to the router of :mod:`minivllm.entrypoints.router` (vLLM's option name):
 :class:`LocalReplicas` starts N ``minivllm serve`` processes on free loopback ports, each
 its own engine, KV cache and prefix cache, and :func:`run_data_parallel` puts the router
-(:func:`minivllm.entrypoints.router.run_router`) in front of them on the user's port.
+(:func:`minivllm.entrypoints.router_app.run_router`) in front of them on the user's port.
 
 Why whole processes and not N engines in one: a replica is then exactly what a remote
 replica is (a URL), so the router in front is the same code for one host or many. The
@@ -28,13 +28,15 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from minivllm.entrypoints.router import run_router
+from minivllm.entrypoints.openai.tenants import load_tenants
+from minivllm.entrypoints.router_app import run_router
 from minivllm.exceptions import ValidationError
 
 
@@ -151,9 +153,25 @@ class LocalReplicas:
         self.stop()
 
 
+def replica_tenants(tenants_file: str, folder: str) -> str:
+    """The tenants of ``tenants_file`` without their limits, written (readable by this
+    user only) into ``folder``: what each replica is started with. The router holds the
+    limits for all of them; a replica needs the keys to authenticate the forwarded request
+    and to salt the prefix cache by key, and the names to count usage by tenant."""
+    keys = [{"name": t.name, "api_key": t.api_key} for t in load_tenants(tenants_file)]
+    path = os.path.join(folder, "replica-tenants.json")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        json.dump({"tenants": keys}, f)
+    return path
+
+
 def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str, host: str, port: int,
-                      **router_kwargs: Any) -> None:
-    """``minivllm serve --data-parallel-size N``: N local replicas and the router in front."""
+                      tenants_file: str | None = None, **router_kwargs: Any) -> None:
+    """``minivllm serve --data-parallel-size N``: N local replicas and the router in front
+    (holding the limits of ``tenants_file``'s tenants, if given)."""
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
-    with LocalReplicas(size, serve_argv) as local:
-        run_router(local.urls, routing_policy, host, port, **router_kwargs)
+    with tempfile.TemporaryDirectory() as folder:
+        if tenants_file is not None:
+            serve_argv = [*serve_argv, "--tenants", replica_tenants(tenants_file, folder)]
+        with LocalReplicas(size, serve_argv) as local:
+            run_router(local.urls, routing_policy, host, port, tenants_file=tenants_file, **router_kwargs)

@@ -38,6 +38,12 @@ requests in flight at once (a stopped one keeps its sockets open: only the probe
 router's own: requests per replica, retries, replicas healthy, requests in flight
 (:func:`minivllm.entrypoints.openai.prometheus.render_router_metrics`).
 
+Tenants. With ``--tenants`` the router, not each replica, holds every tenant's limits:
+a replica sees only its share of a tenant's requests. It charges each request the usage
+it reads off the answer as it relays it (:mod:`minivllm.entrypoints.router_usage`). The
+app around the router, its endpoints and its guard, is
+:mod:`minivllm.entrypoints.router_app`.
+
 In vLLM: ``vllm serve --data-parallel-size N`` (an internal load balancer across engine
 cores) and, for cache-aware routing across hosts, ``vllm-project/router`` and the
 production stack's router; SGLang's router keeps the same approximate prefix tree.
@@ -51,26 +57,24 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 from minivllm.entrypoints.openai.base_protocol import IGNORED_FIELDS_HEADER
-from minivllm.entrypoints.openai.middleware import RequestGuard
-from minivllm.entrypoints.openai.prometheus import CONTENT_TYPE, render_router_metrics
+from minivllm.entrypoints.openai.prometheus import render_router_metrics
 from minivllm.entrypoints.openai.protocol import APIError
 from minivllm.entrypoints.openai.serving import unless_disconnected
-from minivllm.entrypoints.openai.tenants import Tenants
+from minivllm.entrypoints.openai.tenants import Lease, Tenants
+from minivllm.entrypoints.router_usage import UsageWatcher, ask_for_usage, usage_of
 from minivllm.entrypoints.routing import (
     NoReplicaAvailable,
     PrefixAware,
     ReplicaState,
     RoutingPolicy,
-    make_policy,
     normalize_url,
     prompt_token_ids,
 )
@@ -115,7 +119,7 @@ class Router:
     def __init__(self, replica_urls: Sequence[str], policy: RoutingPolicy, tokenizer: Any = None,
                  health_interval: float = DEFAULT_HEALTH_INTERVAL,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, tenants: Tenants | None = None) -> None:
         urls = [normalize_url(u) for u in replica_urls]
         if not urls:
             raise ValidationError("replica", "the router needs at least one --replica URL", None)
@@ -131,6 +135,8 @@ class Router:
         self.replicas = [ReplicaState(u) for u in urls]
         self.policy = policy
         self.tokenizer = tokenizer
+        self.tenants = tenants
+        """The API keys' owners and their limits, held here for all the replicas (None: open)."""
         self.health_interval = health_interval
         self.timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         self.stats = RouterStats(requests={u: 0 for u in urls}, failures={u: 0 for u in urls})
@@ -201,17 +207,23 @@ class Router:
         streaming = isinstance(body, dict) and body.get("stream") is True
         token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, request.url.path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        lease: Lease | None = getattr(request.state, "tenant_lease", None)  # a tenant's seat
+        wanted = None  # a tenant's stream: the usage the client asked for (router_usage)
+        if lease is not None and streaming and (asked := ask_for_usage(body))[0] is not None:
+            raw, wanted, headers["content-type"] = asked[0], asked[1:], "application/json"
         for attempt in (0, 1):
             i = self.choose(token_ids)
             replica = self.replicas[i]
             replica.outstanding += 1
             try:
                 if streaming:  # lowers outstanding itself, when the relay ends
-                    return await self._stream(i, request.url.path, raw, headers)
+                    return await self._stream(i, request.url.path, raw, headers, lease, wanted)
                 try:
                     result = await unless_disconnected(request, self._send(i, request.url.path, raw, headers))
                 finally:
                     replica.outstanding -= 1
+                if lease is not None and result is not None and result.status_code == 200:
+                    lease.usage = usage_of(result.body)
                 return Response(status_code=499) if result is None else result
             except ReplicaFailed as e:
                 self.take_out(i, str(e))
@@ -252,10 +264,12 @@ class Router:
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
                         headers=relayed(r))
 
-    async def _stream(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
+    async def _stream(self, i: int, path: str, raw: bytes, headers: dict, lease: Lease | None = None,
+                      wanted: tuple[bool, bool] | None = None) -> Response:
         """Wait for the replica's first bytes before answering the client: until then a
         failure can still be retried elsewhere. After that, relay; a break becomes a last
-        error event. ``outstanding`` falls when the relay ends, however it ends."""
+        error event. ``outstanding`` falls when the relay ends, however it ends. With
+        ``wanted``, the chunks' usage is read into ``lease`` and relayed only as asked."""
         replica = self.replicas[i]
         upstream, handed_over = None, False
         try:
@@ -275,14 +289,29 @@ class Router:
             except StopAsyncIteration:
                 raise self._failed(i, None, 200) from None  # a stream that ended before it began
 
+            watcher = None if wanted is None else UsageWatcher(*wanted)
+
+            def relayable(data: bytes) -> bytes:
+                if watcher is None:
+                    return data
+                data = watcher.feed(data)
+                lease.usage = watcher.used
+                return data
+
             async def relay() -> AsyncIterator[bytes]:
+                last = b"\n\n"
                 try:
-                    yield (last := first)
+                    data = first
                     while True:
-                        yield (last := await self._unless_out(i, chunks.__anext__()))
+                        if data := relayable(data):
+                            yield (last := data)
+                        data = await self._unless_out(i, chunks.__anext__())
                 except StopAsyncIteration:
-                    pass
+                    if watcher is not None and (rest := watcher.rest()):
+                        yield rest
                 except (httpx.TransportError, ReplicaFailed) as e:
+                    if watcher is not None and (rest := watcher.rest()):
+                        yield (last := rest)
                     self.take_out(i, f"{type(e).__name__}: {e}")
                     error = APIError(502, f"the replica {replica.name} failed mid-stream "
                                      f"({type(e).__name__}: {e}); the answer is incomplete",
@@ -329,72 +358,5 @@ class Router:
                 return ""
 
         texts = await asyncio.gather(*(scrape(r.name) for r in self.replicas))
-        return render_router_metrics(self.replicas, texts, self.stats)
-
-
-def build_router_app(replicas: Sequence[str], routing_policy: str = "round_robin", *,
-                     model: str | None = None, tokenizer: Any = None, block_size: int = 16,
-                     api_key: str | Sequence[str] | None = None, max_request_bytes: int | None = 1 << 20,
-                     health_interval: float = DEFAULT_HEALTH_INTERVAL,
-                     read_timeout: float = DEFAULT_READ_TIMEOUT) -> FastAPI:
-    """The router's FastAPI app (``app.state.router`` is the :class:`Router`). For
-    ``prefix_aware``, give the replicas' ``tokenizer`` or the ``model`` to load it from,
-    and their ``block_size``."""
-    try:
-        policy = make_policy(routing_policy, block_size=block_size)
-    except ValueError as e:
-        raise ValidationError("routing_policy", str(e), routing_policy) from None
-    if isinstance(policy, PrefixAware) and tokenizer is None and model is not None:
-        from minivllm.worker.model_loader import load_tokenizer  # here: the router needs no torch
-
-        tokenizer = load_tokenizer(model)
-    router = Router(replicas, policy, tokenizer, health_interval=health_interval, read_timeout=read_timeout)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await router.start()
-        yield
-        await router.stop()
-
-    app = FastAPI(title="minivllm router", version="0.1.0", lifespan=lifespan)
-    app.state.router = router
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return e.response()
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def generate(request: Request) -> Response:
-        return await router.forward(request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        return await router.get_any("/v1/models", auth)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        states = [{"url": r.name, "healthy": r.healthy, "outstanding": r.outstanding} for r in router.replicas]
-        if not any(r.healthy for r in router.replicas):
-            return JSONResponse({"error": APIError(503, "no healthy replica", "service_unavailable").as_dict(),
-                                 "replicas": states}, status_code=503)
-        return JSONResponse({"status": "ok", "routing_policy": router.policy.name, "replicas": states})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(await router.metrics_text(), media_type=CONTENT_TYPE)
-
-    app.add_middleware(RequestGuard, tenants=Tenants.from_options(api_key), max_request_bytes=max_request_bytes)
-    return app
-
-
-def run_router(replicas: Sequence[str], routing_policy: str, host: str = "127.0.0.1", port: int = 8000,
-               uvicorn_log_level: str = "info", **app_kwargs: Any) -> None:
-    """Serve the router until interrupted (``minivllm router``)."""
-    import uvicorn
-
-    app = build_router_app(replicas, routing_policy, **app_kwargs)
-    logger.info("routing (%s) to %s on http://%s:%d", routing_policy, ", ".join(replicas), host, port)
-    uvicorn.run(app, host=host, port=port, log_level=uvicorn_log_level)
-
+        own = [] if self.tenants is None else self.tenants.records("minivllm:router_tenant_")
+        return render_router_metrics(self.replicas, texts, self.stats, own)

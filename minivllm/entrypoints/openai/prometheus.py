@@ -96,11 +96,12 @@ class _Families:
 
 
 def render_router_metrics(replicas: Sequence[ReplicaState], texts: Sequence[str],
-                          stats: RouterStats) -> bytes:
+                          stats: RouterStats, own: Sequence[Counter | Gauge] = ()) -> bytes:
     """The router's ``/metrics``: every replica's scraped ``texts`` (one per replica, ""
     where it did not answer) re-labelled with ``replica``, so one Prometheus scrape of the
     router sees the whole fleet and a dashboard can still tell the replicas apart; then
-    the router's own counts from ``stats`` and the replicas' states."""
+    the router's own counts from ``stats``, the replicas' states and the records ``own``
+    (its tenants')."""
     families: dict[str, Metric] = {}
     for replica, text in zip(replicas, texts):
         for fam in text_string_to_metric_families(text):
@@ -124,4 +125,5 @@ def render_router_metrics(replicas: Sequence[ReplicaState], texts: Sequence[str]
     retries.add_sample("minivllm:router_retries_total", {}, stats.retries)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
+    registry.register(EngineMetricsCollector(list(own)))
     return generate_latest(registry)

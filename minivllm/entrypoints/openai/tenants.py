@@ -84,13 +84,16 @@ class RateLimited(Exception):
 
 class Lease:
     """One admitted request's seat. The server sets ``stream`` once the request is
-    queued. The seat is released when the response ends, however it ends (finished,
-    failed, or the client gone), and the tenant is then charged what the stream's last
-    output used."""
+    queued (the router sets ``usage`` instead). The seat is released when the response
+    ends, however it ends (finished, failed, or the client gone), and the tenant is then
+    charged what the request used."""
 
     def __init__(self, tenants: Tenants, tenant: Tenant) -> None:
         self.tenants, self.tenant = tenants, tenant
         self.stream: RequestStream | None = None
+        self.usage: tuple[int, int] | None = None
+        """(prompt, generated) tokens, set where there is no stream to read them from:
+        the router reads them off the replica's answer (``router_usage``)."""
         self.released = False
 
     def cache_salt(self, requested: str | None) -> str | None:
@@ -108,8 +111,9 @@ class Lease:
         tenant.running -= 1
         last = self.stream.last if self.stream is not None else None
         if last is not None:
-            prompt = len(last.prompt_token_ids)
-            generated = sum(len(c.token_ids) for c in last.outputs)
+            self.usage = len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)
+        if self.usage is not None:
+            prompt, generated = self.usage
             tenant.prompt_tokens += prompt
             tenant.generation_tokens += generated
             if tenant.max_tokens_per_minute is not None:
@@ -186,16 +190,18 @@ class Tenants:
         tenant.requests += 1
         return Lease(self, tenant)
 
-    def records(self) -> list[Counter | Gauge]:
-        """Usage per tenant, as ``/metrics`` records (labelled by name, never by key)."""
+    def records(self, prefix: str = "minivllm:tenant_") -> list[Counter | Gauge]:
+        """Usage per tenant, as ``/metrics`` records (labelled by name, never by key).
+        The router names its own ``minivllm:router_tenant_*``: its replicas' are re-exported
+        beside them."""
         out: list[Counter | Gauge] = []
         for t in self.tenants:
             lab = {"tenant": t.name}
-            out += [Counter("minivllm:tenant_requests", t.requests, lab),
-                    Counter("minivllm:tenant_prompt_tokens", t.prompt_tokens, lab),
-                    Counter("minivllm:tenant_generation_tokens", t.generation_tokens, lab),
-                    Gauge("minivllm:tenant_requests_running", t.running, lab)]
-            out += [Counter("minivllm:tenant_rate_limited_requests", t.rejected.get(r, 0),
+            out += [Counter(prefix + "requests", t.requests, lab),
+                    Counter(prefix + "prompt_tokens", t.prompt_tokens, lab),
+                    Counter(prefix + "generation_tokens", t.generation_tokens, lab),
+                    Gauge(prefix + "requests_running", t.running, lab)]
+            out += [Counter(prefix + "rate_limited_requests", t.rejected.get(r, 0),
                             {**lab, "reason": r}) for r in ("concurrency", "token_rate")]
         return out
 
