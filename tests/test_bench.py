@@ -315,3 +315,27 @@ def test_soak_loses_nothing_and_leaks_no_block_through_every_fault(tmp_path):
     assert report.restarts >= 1 and set(report.exit_codes) == {1}, report.table()
     assert report.idle_kv_usage and not any(report.idle_kv_usage), report.idle_kv_usage
     assert "lost (must be 0)" in report.table()
+
+
+@pytest.mark.multiprocess
+def test_bench_disagg_serves_the_split_layout_with_one_engines_tokens(tmp_path):
+    """The prefill/decode split (two processes, a shared KV folder, the router) serves the
+    chat streams and the long prompts, and one fixed long prompt gets the greedy text the
+    offline engine makes. (The other layouts are the router's and the server's own.)"""
+    pytest.importorskip("httpx")
+    from tiny_chat import save_tiny_chat
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.bench.disagg import disagg_benchmark, fixed_prompt, format_disagg_table
+
+    model = save_tiny_chat(tmp_path / "tiny")
+    [row] = disagg_benchmark(model, chatters=2, chat_tokens=8, long_len=128, long_rate=2.0, long_tokens=2,
+                             duration=3.0, layouts=("disaggregated",))
+    assert row.layout == "disaggregated" and row.chat_requests >= 2 and row.long_requests >= 1
+    assert 0 < row.itl[0] <= row.itl[1] <= row.itl[2] and 0 < row.long_ttft[0] <= row.long_ttft[1]
+    assert row.chat_tok_s > 0
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [alone] = LLM(model, log_stats_interval=None).generate(
+        [{"prompt_token_ids": fixed_prompt(128, 49152, 0)}], params, use_tqdm=False)
+    assert row.probe == alone.outputs[0].text
+    assert "disaggregated" in format_disagg_table([row])

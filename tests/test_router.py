@@ -405,3 +405,45 @@ def test_router_api_key(replicas, tiny_dir):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         finally:
             rt.stop()
+
+
+# -- disaggregated prefill -------------------------------------------------------------------
+def test_disaggregated_prefill_behind_the_router(tiny_dir, tmp_path):
+    """A prefill instance (kv_producer) computes each prompt as one token; the decode
+    instance (kv_consumer) loads its full blocks from the shared folder and answers, as one
+    engine alone answers. A prefill instance that is gone costs time, not the answer."""
+    from minivllm import LLM
+
+    def server(role: str | None = None) -> ServerThread:
+        config = None if role is None else {"kv_connector": "SharedStorageConnector", "kv_role": role,
+                                            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+        return ServerThread(build_app(LLM(tiny_dir, max_model_len=512, log_stats_interval=None,
+                                          kv_transfer_config=config)))
+
+    with server() as single, server("kv_producer") as prefill, server("kv_consumer") as decode, \
+            ServerThread(build_router_app([decode.url], "round_robin", prefill=[prefill.url])) as rt:
+        health = httpx.get(rt.url + "/health").json()
+        assert [r["role"] for r in health["replicas"]] == ["decode", "prefill"]
+        questions, lengths = [ask(doc, doc + 1) for doc in range(3)], []
+        for i, messages in enumerate(questions):
+            alone = chat(single.url, messages, max_tokens=12, temperature=0)
+            lengths.append(alone.usage.prompt_tokens)
+            split = chat(rt.url, messages, max_tokens=12, temperature=0, stream=i == 1)
+            text = ("".join(c.choices[0].delta.content or "" for c in split) if i == 1
+                    else split.choices[0].message.content)
+            assert text == alone.choices[0].message.content
+        m_decode, m_prefill = scrape(decode.url), scrape(prefill.url)
+        loaded = m_decode[("minivllm:external_prefix_cache_hits_total", ())]
+        local = m_decode[("minivllm:prefix_cache_hits_total", ())]  # the chat template's shared start
+        assert loaded > local and loaded + local == sum((n - 1) // 16 * 16 for n in lengths)  # all but the last block
+        assert m_prefill[("minivllm:generation_tokens_total", ())] == 3  # one token per request
+        assert m_prefill[("minivllm:external_prefix_cache_hits_total", ())] == 0  # a producer never loads
+
+        prefill.stop()  # gone: the decode instance computes the prompt itself
+        messages = ask(7, 1)
+        split = chat(rt.url, messages, max_tokens=12, temperature=0)
+        assert split.choices[0].message.content == chat(single.url, messages, max_tokens=12,
+                                                        temperature=0).choices[0].message.content
+        m = scrape(rt.url)
+        assert m[("minivllm:router_prefill_failures_total", ())] == 1
+        assert scrape(decode.url)[("minivllm:external_prefix_cache_hits_total", ())] == loaded

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from minivllm.bench import (
     cluster,
+    disagg,
     kv_offload,
     latency,
     linear,
@@ -62,6 +63,7 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
     "router": (router.main, ("block_size", "seed", "num_documents", "questions_per_document",
                              "router_concurrency")),
     "quantization": (quantization.main, ("num_requests", "seed", "rounds")),
+    "disagg": (disagg.main, ("seed", "chatters", "max_tokens", "long_len", "long_rate", "duration")),
     "soak": (soak.main, ("seed", "minutes", "fault_interval", "faults", "concurrency", "seats",
                          "max_waiting", "log")),
 }
@@ -108,6 +110,10 @@ OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings
                                help="clients sending requests through the router at once"),
     "out": dict(default=None, help="where to write the cost model JSON"),
     "prompt_lens": dict(default="256,1024", help="prompt lengths in tokens, comma-separated"),
+    "chatters": dict(type=int, default=4, help="chat clients streaming short prompts back to back"),
+    "long_len": dict(type=int, default=1024, help="tokens of each long prompt"),
+    "long_rate": dict(type=float, default=0.25, help="long prompts arriving per second (Poisson)"),
+    "duration": dict(type=float, default=60.0, help="seconds of traffic per layout"),
     "minutes": dict(type=float, default=30.0, help="how long the soak runs"),
     "fault_interval": dict(type=float, default=20.0, help="seconds between two injected faults"),
     "faults": dict(default=",".join(soak.FAULTS), help=f"the fault cycle, a subset of {','.join(soak.FAULTS)}"),

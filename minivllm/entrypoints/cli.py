@@ -68,7 +68,7 @@ def _router(args: argparse.Namespace) -> int:
     from minivllm.entrypoints.router_app import run_router
 
     run_router(args.replica, args.routing_policy, args.host, args.port, model=args.model,
-               block_size=args.block_size, api_key=args.api_key, tenants_file=args.tenants,
+               block_size=args.block_size, api_key=args.api_key, tenants_file=args.tenants, prefill=args.prefill,
                health_interval=args.health_interval,
                uvicorn_log_level=args.uvicorn_log_level)
     return 0
@@ -161,7 +161,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     rt = sub.add_parser("router", help="one OpenAI-compatible endpoint in front of running replicas")
     rt.add_argument("--replica", action="append", required=True, metavar="URL",
-                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each)")
+                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeat for each); "
+                         "with --prefill, the decode instances")
+    rt.add_argument("--prefill", action="append", default=[], metavar="URL",
+                    help="disaggregated prefill: a prefill instance's URL (a minivllm serve with a "
+                         "kv_producer --kv-transfer-config; repeat for each). Each request is "
+                         "sent to one with max_tokens 1, then to a --replica (a kv_consumer)")
     rt.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="least_outstanding")
     rt.add_argument("--model", default=DEFAULT_MODEL,
                     help="the replicas' model: prefix_aware loads its tokenizer (not the weights)")

@@ -44,6 +44,11 @@ it reads off the answer as it relays it (:mod:`minivllm.entrypoints.router_usage
 app around the router, its endpoints and its guard, is
 :mod:`minivllm.entrypoints.router_app`.
 
+Disaggregated prefill (``minivllm router --prefill URL --replica URL``): each request
+goes first, as one unstreamed token, to the least busy prefill server (a ``kv_producer``,
+which stores the prompt's KV), then unchanged to a replica chosen by the policy (a
+``kv_consumer``, which loads it): ``Router._prefill``.
+
 In vLLM: ``vllm serve --data-parallel-size N`` (an internal load balancer across engine
 cores) and, for cache-aware routing across hosts, ``vllm-project/router`` and the
 production stack's router; SGLang's router keeps the same approximate prefix tree.
@@ -65,7 +70,6 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from minivllm.entrypoints.openai.base_protocol import IGNORED_FIELDS_HEADER
-from minivllm.entrypoints.openai.prometheus import render_router_metrics
 from minivllm.entrypoints.openai.protocol import APIError
 from minivllm.entrypoints.openai.serving import unless_disconnected
 from minivllm.entrypoints.openai.tenants import Lease, Tenants
@@ -76,6 +80,7 @@ from minivllm.entrypoints.routing import (
     ReplicaState,
     RoutingPolicy,
     normalize_url,
+    prefill_request,
     prompt_token_ids,
 )
 from minivllm.exceptions import ValidationError
@@ -106,6 +111,9 @@ class RouterStats:
     retries: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     """Times each replica was taken out of rotation (a failed request or two failed probes)."""
+    prefill_failures: int = 0
+    """Disaggregated: requests whose prefill instance failed, so the decode instance computed
+    the whole prompt itself."""
 
 
 # -- the router ------------------------------------------------------------------------------
@@ -119,8 +127,15 @@ class Router:
     def __init__(self, replica_urls: Sequence[str], policy: RoutingPolicy, tokenizer: Any = None,
                  health_interval: float = DEFAULT_HEALTH_INTERVAL,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT, tenants: Tenants | None = None) -> None:
+                 read_timeout: float = DEFAULT_READ_TIMEOUT, tenants: Tenants | None = None,
+                 prefill_urls: Sequence[str] = ()) -> None:
+        """``prefill_urls``: disaggregated prefill. Each request is first sent, as one token
+        (:func:`~minivllm.entrypoints.routing.prefill_request`), to the least busy of these
+        ``kv_producer`` servers, then as it came to a replica (a ``kv_consumer``) chosen by
+        ``policy``, which loads the prompt's KV the producer stored."""
         urls = [normalize_url(u) for u in replica_urls]
+        self.num_decode = len(urls)
+        urls += [normalize_url(u) for u in prefill_urls]
         if not urls:
             raise ValidationError("replica", "the router needs at least one --replica URL", None)
         if len(set(urls)) != len(urls):
@@ -189,7 +204,7 @@ class Router:
     # -- choosing ---------------------------------------------------------------------------
     def choose(self, token_ids: list[int]) -> int:
         try:
-            i = self.policy.choose(token_ids, self.replicas)
+            i = self.policy.choose(token_ids, self.replicas[:self.num_decode])
         except NoReplicaAvailable as e:
             raise APIError(503, f"{e}; the router retries them every {self.health_interval:g} s",
                            "service_unavailable", code="no_healthy_replica") from None
@@ -211,6 +226,10 @@ class Router:
         wanted = None  # a tenant's stream: the usage the client asked for (router_usage)
         if lease is not None and streaming and (asked := ask_for_usage(body))[0] is not None:
             raw, wanted, headers["content-type"] = asked[0], asked[1:], "application/json"
+        if self.num_decode < len(self.replicas) and isinstance(body, dict):
+            refused = await unless_disconnected(request, self._prefill(request.url.path, body, headers))
+            if refused is None or refused.status_code != 200:  # the client left, or a bad request
+                return Response(status_code=499) if refused is None else refused
         for attempt in (0, 1):
             i = self.choose(token_ids)
             replica = self.replicas[i]
@@ -252,6 +271,32 @@ class Router:
             raise ReplicaFailed(f"replica {self.replicas[i].name}: out of rotation (its /health "
                                 f"stopped answering) with the request in flight")
         return task.result()
+
+    async def _prefill(self, path: str, body: dict, headers: dict) -> Response:
+        """Disaggregated prefill: the prompt computed by a prefill instance, which stores its
+        KV for the decode instance. A 4xx is the request's own fault and is the answer; a
+        prefill instance that fails is taken out, logged and counted, and the decode
+        instance then computes the prompt itself (the same tokens, later)."""
+        prefill = [i for i in range(self.num_decode, len(self.replicas)) if self.replicas[i].healthy]
+        why = "no prefill instance is in rotation"
+        if prefill:
+            i = RoutingPolicy.least_loaded(prefill, self.replicas)
+            self.stats.requests[self.replicas[i].name] += 1
+            self.replicas[i].outstanding += 1
+            try:
+                r = await self._send(i, path, json.dumps(prefill_request(body)).encode(),
+                                     {**headers, "content-type": "application/json"})
+                if r.status_code < 500:
+                    return r
+                why = f"HTTP {r.status_code}"
+            except ReplicaFailed as e:
+                self.take_out(i, str(e))
+                why = str(e)
+            finally:
+                self.replicas[i].outstanding -= 1
+        self.stats.prefill_failures += 1
+        logger.warning("disaggregated prefill failed (%s): the decode instance computes the prompt", why)
+        return Response(status_code=200)
 
     async def _send(self, i: int, path: str, raw: bytes, headers: dict) -> Response:
         try:
@@ -330,33 +375,3 @@ class Router:
                 if upstream is not None:
                     await upstream.aclose()
                 replica.outstanding -= 1
-
-    async def get_any(self, path: str, headers: dict) -> Response:
-        """GET passed through to a healthy replica (``/v1/models``)."""
-        for _ in (0, 1):
-            try:  # not the policy: a round robin's turn is for generation requests
-                i = RoutingPolicy.least_loaded(RoutingPolicy.healthy(self.replicas), self.replicas)
-            except NoReplicaAvailable as e:
-                raise APIError(503, str(e), "service_unavailable", code="no_healthy_replica") from None
-            try:
-                r = await self.client.get(self.replicas[i].name + path, headers=headers)
-            except httpx.TransportError as e:
-                self.take_out(i, f"{type(e).__name__}: {e}")
-                continue
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"),
-                        headers=relayed(r))
-        raise APIError(503, "no replica answered", "service_unavailable", code="no_healthy_replica")
-
-    # -- metrics ----------------------------------------------------------------------------
-    async def metrics_text(self) -> bytes:
-        """Every replica's samples with a ``replica`` label, then the router's own."""
-        async def scrape(url: str) -> str:
-            try:
-                r = await self.client.get(url + "/metrics", timeout=5.0)
-                return r.text if r.status_code == 200 else ""
-            except httpx.HTTPError:
-                return ""
-
-        texts = await asyncio.gather(*(scrape(r.name) for r in self.replicas))
-        own = [] if self.tenants is None else self.tenants.records("minivllm:router_tenant_")
-        return render_router_metrics(self.replicas, texts, self.stats, own)

@@ -104,6 +104,21 @@ def prompt_token_ids(tokenizer: Any, path: str, body: Any) -> list[int]:
     return []
 
 
+PREFILL_DROPS = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of",
+                 "logprobs", "top_logprobs", "prompt_logprobs", "echo")
+"""Fields a prefill instance's copy of a request leaves out: they shape the answer, which
+the prefill instance's is not (only its stored KV is used)."""
+
+
+def prefill_request(body: dict) -> dict:
+    """Disaggregated prefill: the request as the prefill instance gets it, one token,
+    unstreamed, one completion, everything that shapes the prompt (messages, template
+    options, the prompt itself, ``cache_salt``) unchanged, so its blocks have exactly the
+    hashes the decode instance will look up. vLLM's proxy examples do the same
+    (``max_tokens=1``, no stream)."""
+    return {**{k: v for k, v in body.items() if k not in PREFILL_DROPS}, "max_tokens": 1}
+
+
 class RoutingPolicy:
     """Chooses a replica for a prompt; told when a chosen request is sent."""
 

@@ -123,6 +123,9 @@ def render_router_metrics(replicas: Sequence[ReplicaState], texts: Sequence[str]
     retries = families["minivllm:router_retries"] = Metric(
         "minivllm:router_retries", "Requests retried on another replica.", "counter")
     retries.add_sample("minivllm:router_retries_total", {}, stats.retries)
+    failed = families["minivllm:router_prefill_failures"] = Metric(
+        "minivllm:router_prefill_failures", "Disaggregated requests whose prefill instance failed.", "counter")
+    failed.add_sample("minivllm:router_prefill_failures_total", {}, stats.prefill_failures)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
     registry.register(EngineMetricsCollector(list(own)))
