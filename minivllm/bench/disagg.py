@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -194,3 +195,48 @@ def main(args: argparse.Namespace) -> int:
           f"{os.cpu_count()} cores:")
     print(format_disagg_table(rows))
     return 0 if len({r.probe for r in rows}) == 1 else 1
+
+
+# -- simulated: the goodput sweep ------------------------------------------------------------
+def format_goodput(rows: list[dict], ttft_bound: float, tpot_bound: float) -> str:
+    lines = [f"| req/s | layout | within TTFT <= {ttft_bound:g} s and TPOT <= {tpot_bound * 1e3:g} ms "
+             "| TTFT p50 / p90 (s) | TPOT p50 / p90 (ms) |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['rate']:g} | {r['layout']} | {100 * r['attainment']:.0f}% | "
+                     f"{r['ttft_p50']:.1f} / {r['ttft_p90']:.1f} | "
+                     f"{r['tpot_p50'] * 1e3:.0f} / {r['tpot_p90'] * 1e3:.0f} |")
+    lines.append("")
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        good = [r["rate"] for r in rows if r["layout"] == layout and r["attainment"] >= 0.9]
+        lines.append(f"goodput of {layout} (the highest rate swept with >= 90% within both bounds): "
+                     + (f"{max(good):g} req/s" if good else "below the lowest rate swept"))
+    return "\n".join(lines)
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    """``minivllm bench simulate-disagg``: a prefill pool and a decode pool against as many
+    colocated replicas, in simulated time, at each request rate: the share of requests
+    within a TTFT and a TPOT bound (DistServe's goodput)."""
+    from minivllm.sim.disagg_simulator import goodput_sweep
+    from minivllm.sim.workload import make_workload
+
+    rates = [float(r) for r in args.disagg_rates.split(",")]
+    n = args.num_requests or 200
+
+    def workload(rate: float):
+        return make_workload(None, n, seed=args.seed, prompt_len=(256, 2048), output_len=(32, 256), rate=rate)
+
+    for pools in args.pools.split(","):
+        p, d = (int(x) for x in pools.split(":"))
+        logger = logging.getLogger("minivllm")
+        level = logger.level
+        logger.setLevel(max(level, logging.WARNING))  # not a KV-cache line per simulated engine
+        try:
+            rows = goodput_sweep(workload, rates, p, d, args.ttft_bound, args.tpot_bound, args.transfer_gb_per_s)
+        finally:
+            logger.setLevel(level)
+        print(f"{n} requests (prompts 256-2048 tokens, answers 32-256), KV over "
+              f"{args.transfer_gb_per_s:g} GB/s, {p} prefill + {d} decode against {p + d} colocated:")
+        print(format_goodput(rows, args.ttft_bound, args.tpot_bound))
+        print()
+    return 0

@@ -218,7 +218,7 @@ def simulate_cluster(
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an integer >= 1, got {num_replicas!r}")
     config.setdefault("max_trace_steps", MAX_TRACE_STEPS)
-    fleet = _Fleet(_make_replicas(num_replicas, cost_model, config))
+    fleet = Fleet(make_replicas(num_replicas, cost_model, config))
     router = _policy_for(policy, fleet.engines[0].config.block_size)
     log: list[tuple[str, float, tuple[int, ...]]] | None = [] if record_routing else None
     requests = iter(workload)
@@ -250,7 +250,7 @@ def simulate_cluster(
     )
 
 
-def _make_replicas(num_replicas: int, cost_model: CostModel | None, config: dict) -> list[LLMEngine]:
+def make_replicas(num_replicas: int, cost_model: CostModel | None, config: dict) -> list[LLMEngine]:
     """``num_replicas`` alike simulated engines sharing one cost model, resolved once (this
     machine's, or the shipped one) so that the warning about it, if any, is said once."""
     first = make_simulated_engine(cost_model, **config)
@@ -266,7 +266,7 @@ def _make_replicas(num_replicas: int, cost_model: CostModel | None, config: dict
     return engines
 
 
-class _Fleet:
+class Fleet:
     """The replicas of :func:`simulate_cluster` and its event loop's state.
 
     Invariants: ``ready`` is a heap of (clock, i) for exactly the replicas with unfinished

@@ -27,6 +27,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.core.kv_cache_utils import size_kv_cache
 from minivllm.core.scheduler import SchedulerOutput
+from minivllm.distributed.kv_transfer.base import KVConnectorOutput
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.executor.abstract import eos_token_id
 from minivllm.sim.cost_model import CostModel
@@ -66,7 +67,9 @@ class SimulatedModelRunner:
         seconds = self.cost_model.predict(scheduler_output.scheduled)
         self.clock.advance(seconds)
         sampled = {s.request.request_id: [self.token_id] for s in scheduler_output.scheduled if s.samples}
-        return ModelRunnerOutput(sampled=sampled, model_time=seconds)
+        # An empty connector output: a simulated engine may carry a stand-in KV connector
+        # (the disaggregated simulator's), whose loads always succeed.
+        return ModelRunnerOutput(sampled=sampled, model_time=seconds, kv_connector_output=KVConnectorOutput())
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Nothing to forget: this runner keeps no per-request state."""
