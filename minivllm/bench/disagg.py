@@ -145,8 +145,8 @@ def fixed_prompt(long_len: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def disagg_benchmark(model: str, chatters: int = 4, chat_len: int = 32, chat_tokens: int = 64,
-                     long_len: int = 1024, long_rate: float = 0.25, long_tokens: int = 4,
-                     duration: float = 60.0, seed: int = 0, vocab_size: int = 49152,
+                     long_len: int = 1024, long_rate: float = 0.1, long_tokens: int = 4,
+                     duration: float = 120.0, seed: int = 0, vocab_size: int = 49152,
                      layouts: tuple[str, ...] = LAYOUTS, extra_argv: tuple[str, ...] = ()) -> list[DisaggRow]:
     """Each layout in turn, the same traffic (the same prompts and arrival times' seed)."""
     chat_prompts = make_prompts(64, chat_len, vocab_size, seed)
