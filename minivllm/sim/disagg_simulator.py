@@ -133,16 +133,7 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
     pending = next(requests, None)
     handed, finished_prefill, finished_decode, moved, computed = 0, 0, 0, 0, 0
     while pending is not None or handoffs or prefill.ready or decode.ready:
-        events = []
-        if pending is not None:
-            events.append((pending.arrival_time, 0, "arrive"))
-        if handoffs:
-            events.append((handoffs[0][0], 1, "handoff"))
-        if prefill.ready:
-            events.append((prefill.ready[0][0], 2, "prefill"))
-        if decode.ready:
-            events.append((decode.ready[0][0], 3, "decode"))
-        t, _, kind = min(events)
+        t, kind = _next_event(pending, handoffs, prefill, decode)
         if kind == "arrive":
             prefill.tell_finished_by(t)
             originals[pending.request_id] = (pending, 0.0)
@@ -175,6 +166,22 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
     free = all(e.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_manager.num_blocks
                for e in prefill.engines + decode.engines)
     return DisaggResult(served, moved, computed, free)
+
+
+def _next_event(pending: WorkloadRequest | None, handoffs: list, prefill: Fleet, decode: Fleet) -> tuple[float, str]:
+    """The earliest of: the next arrival, the next KV handoff, the next step of either pool
+    (the replica furthest behind). On a tie, in that order: what arrives joins the step."""
+    events = []
+    if pending is not None:
+        events.append((pending.arrival_time, 0, "arrive"))
+    if handoffs:
+        events.append((handoffs[0][0], 1, "handoff"))
+    if prefill.ready:
+        events.append((prefill.ready[0][0], 2, "prefill"))
+    if decode.ready:
+        events.append((decode.ready[0][0], 3, "decode"))
+    t, _, kind = min(events)
+    return t, kind
 
 
 def served_by_cluster(result) -> list[Served]:
