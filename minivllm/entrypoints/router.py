@@ -334,28 +334,21 @@ class Router:
             except StopAsyncIteration:
                 raise self._failed(i, None, 200) from None  # a stream that ended before it began
 
-            watcher = None if wanted is None else UsageWatcher(*wanted)
-
-            def relayable(data: bytes) -> bytes:
-                if watcher is None:
-                    return data
-                data = watcher.feed(data)
-                lease.usage = watcher.used
-                return data
+            watcher = UsageWatcher(*(wanted or (True, True)), lease=lease, passthrough=wanted is None)
 
             async def relay() -> AsyncIterator[bytes]:
                 last = b"\n\n"
                 try:
                     data = first
                     while True:
-                        if data := relayable(data):
+                        if data := watcher.feed(data):
                             yield (last := data)
                         data = await self._unless_out(i, chunks.__anext__())
                 except StopAsyncIteration:
-                    if watcher is not None and (rest := watcher.rest()):
+                    if rest := watcher.rest():
                         yield rest
                 except (httpx.TransportError, ReplicaFailed) as e:
-                    if watcher is not None and (rest := watcher.rest()):
+                    if rest := watcher.rest():
                         yield (last := rest)
                     self.take_out(i, f"{type(e).__name__}: {e}")
                     error = APIError(502, f"the replica {replica.name} failed mid-stream "

@@ -21,7 +21,10 @@ stack's router, or an API gateway), and reads usage the same way.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minivllm.entrypoints.openai.tenants import Lease
 
 
 def ask_for_usage(body: Any) -> tuple[bytes | None, bool, bool]:
@@ -53,12 +56,15 @@ def usage_of(content: bytes) -> tuple[int, int] | None:
 
 
 class UsageWatcher:
-    """Reads the usage in a stream of server-sent events and hands on the events with
-    what the client did not ask for taken out. Feed it bytes as they arrive
-    (:meth:`feed`); an event is handed on once it is whole (it ends with a blank line)."""
+    """Reads the usage in a stream of server-sent events into ``lease`` (if given) and
+    hands on the events with what the client did not ask for taken out. Feed it bytes as
+    they arrive (:meth:`feed`); an event is handed on once it is whole (it ends with a
+    blank line). With ``passthrough`` it hands every byte on at once and reads nothing."""
 
-    def __init__(self, wanted_last: bool, wanted_every: bool) -> None:
+    def __init__(self, wanted_last: bool, wanted_every: bool, lease: Lease | None = None,
+                 passthrough: bool = False) -> None:
         self.wanted_last, self.wanted_every = wanted_last, wanted_every
+        self.lease, self.passthrough = lease, passthrough
         self.prompt = 0
         self.per_choice: dict[int, int] = {}
         """Each choice's generated tokens so far, from its latest chunk."""
@@ -77,8 +83,13 @@ class UsageWatcher:
 
     def feed(self, data: bytes) -> bytes:
         """The whole events that ``data`` completes, to relay."""
+        if self.passthrough:
+            return data
         *events, self._buffer = (self._buffer + data).split(b"\n\n")
-        return b"".join(out + b"\n\n" for e in events if (out := self._event(e)) is not None)
+        relayed = b"".join(out + b"\n\n" for e in events if (out := self._event(e)) is not None)
+        if self.lease is not None:
+            self.lease.usage = self.used
+        return relayed
 
     def rest(self) -> bytes:
         """What is left of an unfinished last event (relayed as it is)."""
