@@ -71,3 +71,22 @@ def test_bench_simulate_disagg_prints_the_sweep_and_each_layouts_goodput(capsys)
     out = capsys.readouterr().out
     assert "| 0.05 | 1P+1D | 100% |" in out and "| 0.05 | 2 colocated | 100% |" in out
     assert "goodput of 1P+1D (the highest rate swept with >= 90% within both bounds): 0.05 req/s" in out
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["simulate-disagg", "--pools", "1:0"], "--pools"), (["simulate-disagg", "--pools", "2"], "--pools"),
+    (["simulate-disagg", "--disagg-rates", "0.5,nan"], "--disagg-rates"),
+    (["simulate-disagg", "--tpot-bound", "0"], "--tpot-bound"),
+    (["simulate-disagg", "--transfer-gb-per-s", "inf"], "--transfer-gb-per-s"),
+    (["disagg", "--long-rate", "0"], "--long-rate"), (["disagg", "--duration", "nan"], "--duration"),
+    (["disagg", "--chatters", "-1"], "--chatters")])
+def test_bad_bench_flags_are_refused_by_name(argv, flag, capsys):
+    from minivllm.entrypoints.cli import main
+
+    assert main(["bench", *argv]) == 2
+    assert flag in capsys.readouterr().out
+
+
+def test_the_sweep_refuses_a_bound_that_is_not_a_time():
+    with pytest.raises(ValueError, match="ttft_bound"):
+        goodput_sweep(lambda rate: [], [1.0], 1, 1, ttft_bound=float("nan"), tpot_bound=0.1, cost_model=COST)

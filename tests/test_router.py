@@ -380,8 +380,12 @@ def test_router_options_are_checked_and_urls_normalised():
     assert normalize_url("https://host/") == "https://host"
     with pytest.raises(ValidationError, match="at least one"):
         build_router_app([], "round_robin")
+    with pytest.raises(ValidationError, match="at least one"):  # prefill servers alone
+        build_router_app([], "round_robin", prefill=["http://p:1"])
     with pytest.raises(ValidationError, match="twice"):
         build_router_app(["http://a:1", "a:1/v1"], "round_robin")
+    with pytest.raises(ValidationError, match="twice"):  # one server cannot do both
+        build_router_app(["http://a:1"], "round_robin", prefill=["a:1"])
     with pytest.raises(ValidationError, match="unknown routing policy"):
         build_router_app(["http://a:1"], "random")
     with pytest.raises(ValidationError, match="tokenizer"):

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -182,11 +183,33 @@ def format_disagg_table(rows: list[DisaggRow]) -> str:
     return "\n".join(lines)
 
 
+def _positive(args: argparse.Namespace, names: tuple[str, ...]) -> str | None:
+    """The refusal of the first of ``names`` that is not a finite number > 0, or None."""
+    for name in names:
+        value = getattr(args, name)
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            return f"--{name.replace('_', '-')} must be a number > 0, got {value!r}"
+    return None
+
+
+def _pools(text: str) -> list[tuple[int, int]] | None:
+    """``"1:3,2:2"`` as [(1, 3), (2, 2)], or None when it is not that shape."""
+    try:
+        pools = [tuple(int(x) for x in pool.split(":")) for pool in text.split(",")]
+    except ValueError:
+        return None
+    return pools if pools and all(len(p) == 2 and min(p) >= 1 for p in pools) else None
+
+
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench disagg``: one engine, two replicas and a prefill/decode split on the
     same cores, under chat streams with long prompts arriving among them."""
     from minivllm.bench.common import load_tokenizer
 
+    refused = _positive(args, ("chatters", "max_tokens", "long_len", "long_rate", "duration"))
+    if refused:
+        print(refused)
+        return 2
     vocab = len(load_tokenizer(args.model))
     rows = disagg_benchmark(args.model, args.chatters, 32, args.max_tokens, args.long_len, args.long_rate,
                             4, args.duration, args.seed, vocab)
@@ -220,14 +243,27 @@ def simulate_main(args: argparse.Namespace) -> int:
     from minivllm.sim.disagg_simulator import goodput_sweep
     from minivllm.sim.workload import make_workload
 
-    rates = [float(r) for r in args.disagg_rates.split(",")]
+    try:
+        rates = [float(r) for r in args.disagg_rates.split(",")]
+    except ValueError:
+        rates = []
+    pools = _pools(args.pools)
+    refused = _positive(args, ("ttft_bound", "tpot_bound", "transfer_gb_per_s"))
+    if not rates or not all(math.isfinite(r) and r > 0 for r in rates):
+        refused = f"--disagg-rates takes comma-separated request rates > 0, got {args.disagg_rates!r}"
+    elif pools is None:
+        refused = f"--pools takes comma-separated PREFILL:DECODE instance counts >= 1, got {args.pools!r}"
+    elif args.num_requests is not None and args.num_requests < 1:
+        refused = f"--num-requests must be >= 1, got {args.num_requests}"
+    if refused:
+        print(refused)
+        return 2
     n = args.num_requests or 200
 
     def workload(rate: float):
         return make_workload(None, n, seed=args.seed, prompt_len=(256, 2048), output_len=(32, 256), rate=rate)
 
-    for pools in args.pools.split(","):
-        p, d = (int(x) for x in pools.split(":"))
+    for p, d in pools:
         logger = logging.getLogger("minivllm")
         level = logger.level
         logger.setLevel(max(level, logging.WARNING))  # not a KV-cache line per simulated engine

@@ -136,7 +136,7 @@ class Router:
         urls = [normalize_url(u) for u in replica_urls]
         self.num_decode = len(urls)
         urls += [normalize_url(u) for u in prefill_urls]
-        if not urls:
+        if not self.num_decode:  # prefill servers alone answer nothing but one token
             raise ValidationError("replica", "the router needs at least one --replica URL", None)
         if len(set(urls)) != len(urls):
             raise ValidationError("replica", f"a replica is listed twice: {urls}", urls)

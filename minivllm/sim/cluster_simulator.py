@@ -82,6 +82,12 @@ class RequestSummary:
     def e2e(self) -> float:
         return self.finished_time - self.arrival_time
 
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first (0 for a one-token answer)."""
+        n = self.num_output_tokens - 1
+        return (self.finished_time - self.first_token_time) / n if n > 0 else 0.0
+
 
 @dataclass
 class ReplicaSummary:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,7 +44,13 @@ from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnecto
 from minivllm.entrypoints.routing import LeastOutstanding
 from minivllm.metrics import percentile
 from minivllm.request import Request
-from minivllm.sim.cluster_simulator import MAX_TRACE_STEPS, Fleet, make_replicas
+from minivllm.sim.cluster_simulator import (
+    MAX_TRACE_STEPS,
+    Fleet,
+    RequestSummary,
+    make_replicas,
+    simulate_cluster,
+)
 from minivllm.sim.cost_model import CostModel
 from minivllm.sim.workload import WorkloadRequest
 
@@ -74,30 +81,10 @@ class SimulatedTransfer(KVConnectorBase_V1):
 
 
 @dataclass
-class Served:
-    """One request as its client saw it (simulated seconds)."""
-
-    arrival_time: float
-    first_token_time: float
-    finished_time: float
-    num_output_tokens: int
-    transfer_seconds: float = 0.0
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float:
-        """Time per output token after the first (0 for a one-token answer)."""
-        n = self.num_output_tokens - 1
-        return (self.finished_time - self.first_token_time) / n if n > 0 else 0.0
-
-
-@dataclass
 class DisaggResult:
-    requests: list[Served]
-    """Every request as its client saw it, in the order they finished."""
+    requests: list[RequestSummary]
+    """Every request as its client saw it (arrival at the prefill pool, first token and
+    finish on its decode engine, ``replica``: that engine), in the order they finished."""
     transferred_bytes: int
     """KV bytes that crossed from the prefill pool to the decode pool."""
     decode_prefill_tokens: int
@@ -126,9 +113,9 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
         engine.scheduler.kv_connector = SimulatedTransfer(block_size)
     bytes_per_token = float(cost_model.meta.get("kv_bytes_per_token", 46080))
     route = LeastOutstanding()
-    originals: dict[str, tuple[WorkloadRequest, float]] = {}  # id -> (request, transfer seconds)
+    originals: dict[str, WorkloadRequest] = {}
     handoffs: list[tuple[float, int, str]] = []  # (arrival at the decode pool, order, id)
-    served: list[Served] = []
+    served: list[RequestSummary] = []
     requests = iter(workload)
     pending = next(requests, None)
     handed, finished_prefill, finished_decode, moved, computed = 0, 0, 0, 0, 0
@@ -136,13 +123,13 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
         t, kind = _next_event(pending, handoffs, prefill, decode)
         if kind == "arrive":
             prefill.tell_finished_by(t)
-            originals[pending.request_id] = (pending, 0.0)
+            originals[pending.request_id] = pending
             prefill.add(route.choose([], prefill.states), dataclasses.replace(pending, max_tokens=1))
             pending = next(requests, None)
         elif kind == "handoff":
             _, _, rid = heapq.heappop(handoffs)
             decode.tell_finished_by(t)
-            request = dataclasses.replace(originals[rid][0], arrival_time=t)
+            request = dataclasses.replace(originals[rid], arrival_time=t)
             decode.add(route.choose([], decode.states), request)
         elif kind == "prefill":
             prefill.step_next()
@@ -150,7 +137,6 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
                 full = (s.num_prompt_tokens - 1) // block_size * block_size
                 seconds = full * bytes_per_token / (transfer_gb_per_s * 1e9)
                 moved += int(full * bytes_per_token)
-                originals[s.request_id] = (originals[s.request_id][0], seconds)
                 heapq.heappush(handoffs, (s.finished_time + seconds, handed, s.request_id))
                 handed += 1
             finished_prefill = len(prefill.summaries)
@@ -159,9 +145,7 @@ def simulate_disaggregated(workload: Iterable[WorkloadRequest], num_prefill: int
             decode.step_next()
             computed += engine.trace.steps[-1].num_prefill_tokens
             for s in decode.summaries[finished_decode:]:
-                original, seconds = originals.pop(s.request_id)
-                served.append(Served(original.arrival_time, s.first_token_time, s.finished_time,
-                                     s.num_output_tokens, seconds))
+                served.append(dataclasses.replace(s, arrival_time=originals.pop(s.request_id).arrival_time))
             finished_decode = len(decode.summaries)
     free = all(e.kv_cache_manager.block_pool.get_num_free_blocks() == e.kv_cache_manager.num_blocks
                for e in prefill.engines + decode.engines)
@@ -184,19 +168,13 @@ def _next_event(pending: WorkloadRequest | None, handoffs: list, prefill: Fleet,
     return t, kind
 
 
-def served_by_cluster(result) -> list[Served]:
-    """A :class:`~minivllm.sim.cluster_simulator.ClusterResult`'s requests as :class:`Served`."""
-    return [Served(r.arrival_time, r.first_token_time, r.finished_time, r.num_output_tokens)
-            for r in result.requests]
-
-
-def attainment(served: list[Served], ttft_bound: float, tpot_bound: float) -> float:
+def attainment(served: list[RequestSummary], ttft_bound: float, tpot_bound: float) -> float:
     """The share of requests whose TTFT and TPOT are both within their bounds."""
     ok = sum(1 for s in served if s.ttft <= ttft_bound and s.tpot <= tpot_bound)
     return ok / len(served) if served else 0.0
 
 
-def summary(served: list[Served]) -> dict[str, float]:
+def summary(served: list[RequestSummary]) -> dict[str, float]:
     ttft, tpot = [s.ttft for s in served], [s.tpot for s in served]
     return {"ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90),
             "tpot_p50": percentile(tpot, 50), "tpot_p90": percentile(tpot, 90)}
@@ -208,15 +186,16 @@ def goodput_sweep(make_workload, rates: list[float], num_prefill: int, num_decod
     """At each request rate, the same workload (``make_workload(rate)``) on the split and on
     ``num_prefill + num_decode`` colocated replicas (least outstanding): attainment of both
     bounds, and TTFT and TPOT percentiles, one row per (rate, layout)."""
-    from minivllm.sim.cluster_simulator import simulate_cluster
-
+    for name, bound in (("ttft_bound", ttft_bound), ("tpot_bound", tpot_bound)):
+        if not (isinstance(bound, (int, float)) and math.isfinite(bound) and bound > 0):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {bound!r}")
     rows = []
     for rate in rates:
         wall = time.perf_counter()
         split = simulate_disaggregated(make_workload(rate), num_prefill, num_decode, transfer_gb_per_s,
                                        cost_model, **config).requests
-        together = served_by_cluster(simulate_cluster(make_workload(rate), num_prefill + num_decode,
-                                                      "least_outstanding", cost_model, **config))
+        together = simulate_cluster(make_workload(rate), num_prefill + num_decode, "least_outstanding",
+                                    cost_model, **config).requests
         for layout, served in ((f"{num_prefill}P+{num_decode}D", split),
                                (f"{num_prefill + num_decode} colocated", together)):
             rows.append({"rate": rate, "layout": layout, "requests": len(served),
