@@ -28,6 +28,7 @@ from minivllm.worker.linear_plan import (
     LinearChoice,
     LinearPlan,
     onednn_available,
+    onednn_rows,
     plain_linears,
     planned_linear,
     resolve_linear_backend,
@@ -64,8 +65,9 @@ def calls(monkeypatch) -> list[tuple[str, int, int]]:
 
 @pytest.mark.parametrize("backend", ["onednn", "transposed"])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (1, 5, 64), (512, 64)])
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (1, 5, 64), (512, 64), (33, 64), (3, 11, 64)])
 def test_each_library_matches_nn_linear(shape, bias, backend):
+    """(33 rows, and 3 x 11, reach oneDNN padded to 36 rows: the padding never shows.)"""
     if backend == "onednn" and not onednn_available():
         pytest.skip("this PyTorch build has no oneDNN")
     g = torch.Generator().manual_seed(0)
@@ -76,6 +78,15 @@ def test_each_library_matches_nn_linear(shape, bias, backend):
         out = layer(x)
     assert out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_sees_a_few_row_counts_each_padded_by_at_most_an_eighth():
+    """oneDNN keeps a primitive (and its memory) per distinct shape: rows 1 to 2,048 reach
+    it as 72 sizes, none more than 1/8 larger than asked, in the same order."""
+    padded = [onednn_rows(r) for r in range(1, 2049)]
+    assert all(r <= p <= r * 9 / 8 for r, p in enumerate(padded, start=1))
+    assert padded == sorted(padded) and padded[:15] == list(range(1, 16))
+    assert len(set(padded)) == 72
 
 
 @needs_onednn

@@ -46,8 +46,10 @@ greedy tokens stay identical to ``generate()`` in the tests, with each library a
 a plan that switches between them by row count.
 
 oneDNN compiles a kernel the first time it sees a shape (about 0.5 ms per weight shape
-and row count, then cached; the cache holds 1,024 by default), so a step with a
-never-seen token count pays a few milliseconds once.
+and row count, then cached with a buffer the size of its output; the cache holds 1,024 by
+default). So the rows reach it padded to a few sizes
+(:func:`~minivllm.worker.linear_plan.onednn_rows`): a step with a never-seen size pays a
+few milliseconds once, and the memory stops growing once every size has been seen.
 
 The story in three modules: :mod:`minivllm.worker.linear_plan` the libraries and the plan a
 layer runs by; :mod:`minivllm.worker.linear_autotune` the measuring; this module the "auto"
