@@ -49,7 +49,7 @@ class MyKVCacheManager(KVCacheManager):
           all it asked for or nothing.
         - Return the newly allocated blocks (an empty list when none were needed).
         - With prefix caching on (``self.enable_caching``), finish with
-          ``self._cache_full_blocks(request, num_computed + num_new_tokens)``, which
+          ``self.cache_blocks(request, num_computed + num_new_tokens)``, which
           registers the blocks this step fills so later requests can hit them.
         """
         raise NotImplementedError("MyKVCacheManager.allocate_slots: grow the request's block "

@@ -17,6 +17,9 @@ from minivllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    """Admitted with blocks allocated, while a KV connector loads some of them in the
+    background (an asynchronous load): the request is in no step until they arrive."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -8,13 +8,16 @@ disk after a restart, counted per tier; no block left owned; bad configs refused
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
-from helpers import all_blocks_free, hf_greedy, run_engine
+from helpers import all_blocks_free, greedy, hf_greedy, run_engine
 
 from minivllm import LLM
 from minivllm.entrypoints.openai.prometheus import render_metrics
 from minivllm.exceptions import ValidationError
+from minivllm.kv_offload.tiers import DiskTier
+from minivllm.request import RequestStatus
 from minivllm.worker.model_loader import make_tiny_model
 
 VOCAB = 512
@@ -197,3 +200,72 @@ def test_shared_storage_needs_its_folder(model):
     with pytest.raises(ValidationError) as e:
         LLM(model, **SMALL, kv_transfer_config={"kv_connector": "SharedStorageConnector"})
     assert e.value.param == "shared_storage_path"
+
+
+def held_disk_reads(monkeypatch) -> threading.Event:
+    """Every disk read of a KV block waits until the returned event is set."""
+    gate, load = threading.Event(), DiskTier.load
+
+    def held(self, block_hash):
+        assert gate.wait(60), "the test never released the disk reads"
+        return load(self, block_hash)
+
+    monkeypatch.setattr(DiskTier, "load", held)
+    return gate
+
+
+def prefilled(model, tmp_path, prompt: list[int]) -> LLM:
+    """A decode engine over a folder where a prefill engine has put ``prompt``'s blocks."""
+    run_engine(LLM(model, **SMALL, kv_transfer_config=shared("kv_producer", tmp_path)), [prompt], [1])
+    return LLM(model, **SMALL, kv_transfer_config=shared("kv_consumer", tmp_path))
+
+
+def test_a_load_from_disk_runs_in_the_background_while_others_decode(model, tmp_path, monkeypatch):
+    """While a request's KV comes off disk it waits aside (WAITING_FOR_REMOTE_KVS), in no
+    step, and another request decodes step after step; once the blocks are there it is
+    admitted with them, computes only its last partial block, and both generate exactly
+    what transformers does. Every block is free at the end."""
+    rng = random.Random(6)
+    long, short = [rng.randrange(VOCAB) for _ in range(33)], [rng.randrange(VOCAB) for _ in range(5)]
+    decode = prefilled(model, tmp_path, long)
+    gate = held_disk_reads(monkeypatch)
+    engine = decode.llm_engine
+    engine.add_request("short", {"prompt_token_ids": short}, greedy(12))
+    engine.add_request("long", {"prompt_token_ids": long}, greedy(6))
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        assert engine.scheduler.requests["long"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(tokens["short"]) == 5 and tokens["long"] == []  # the load held nobody's step
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert tokens == {"short": hf_greedy(model, short, 12), "long": hf_greedy(model, long, 6)}
+    admitted = next(s for s in decode.trace.steps if "long" in s.prefix_cache_hits)
+    assert (admitted.prefix_cache_hits["long"], admitted.external_cache_hits["long"]) == (0, 32)
+    assert [c.num_new_tokens for c in admitted.scheduled if c.request_id == "long"] == [1]
+    assert metric(decode, "kv_offload_hits", tier="disk") == 32
+    assert metric(decode, "kv_offload_bytes", transfer_type="disk_to_device") > 0
+    assert all_blocks_free(decode)
+
+
+def test_aborting_a_request_while_its_kv_loads_frees_every_block(model, tmp_path, monkeypatch):
+    """The abort waits for the load into the request's blocks (they must not be written
+    after they are freed), then nothing is left: no block owned, no request pending."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(VOCAB) for _ in range(29)]
+    decode = prefilled(model, tmp_path, prompt)
+    gate = held_disk_reads(monkeypatch)
+    engine = decode.llm_engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, greedy(4))
+    engine.step()
+    assert engine.scheduler.requests["r"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    threading.Timer(0.2, gate.set).start()
+    engine.abort_request("r")
+    assert gate.is_set()  # the abort waited for the load
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert all_blocks_free(decode)
+    assert run_engine(decode, [prompt], [4]) == [hf_greedy(model, prompt, 4)]  # the blocks are still on disk

@@ -119,11 +119,16 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens, or return None if the pool can't.
 
         ``new_computed_blocks`` are prefix-cache hits being adopted on admission; they
-        count against the free pool only if they are currently free.
+        count against the free pool only if they are currently free. The blocks the new
+        tokens fill are registered in the prefix cache at once (the step writes them
+        before anyone else reads them), unless ``delay_cache_blocks``: a KV connector
+        loads them in the background, and nobody may hit them before they arrive
+        (:meth:`cache_blocks` registers them then).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -137,12 +142,14 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if not delay_cache_blocks:
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once ``num_tokens`` tokens are computed."""
+        if not self.enable_caching:
+            return
         self.update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         start = self.num_cached_blocks.get(request.request_id, 0)

@@ -1,4 +1,5 @@
-"""What the scheduler checks after a step: when a request stops, and loads that failed.
+"""What the scheduler checks after a step: when a request stops, loads that failed, and
+background loads that arrived.
 
 Stop *strings* are not here: they are text, and text is the front end's
 (``minivllm.engine.output_processor``). The engine core stops on tokens: the end of
@@ -16,7 +17,7 @@ from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_manager import KVCacheManager
-    from minivllm.core.scheduler import SchedulerOutput
+    from minivllm.core.scheduler import Scheduler, SchedulerOutput
 
 
 def recompute_failed_loads(scheduler_output: SchedulerOutput, kv: KVCacheManager,
@@ -37,6 +38,33 @@ def recompute_failed_loads(scheduler_output: SchedulerOutput, kv: KVCacheManager
             kv.uncache_blocks(s.request, first)
             failed.add(s.request.request_id)
     return failed
+
+
+def finish_remote_loads(scheduler: Scheduler, finished_recving: set[str], invalid_block_ids: set[int]) -> None:
+    """The KV connector's background loads that arrived (``finished_recving``): the loaded
+    blocks, up to the first one whose load failed (computed from there), are registered
+    in the prefix cache, and each request goes back to the front of the waiting queue,
+    still ``WAITING_FOR_REMOTE_KVS``, to be admitted with its blocks in place (it needs no
+    more): ``Scheduler.find_computed_tokens`` then gives its hits and loaded tokens, so the
+    step that admits it records both."""
+    kv = scheduler.kv_cache_manager
+    for rid in finished_recving:
+        request = scheduler.waiting_for_remote_kvs.pop(rid, None)
+        if request is None:  # finished while loading (aborted)
+            continue
+        num_hit_tokens, num_external = scheduler.remote_kv_tokens[rid]
+        table = kv.get_block_ids(rid)
+        bad = next((i for i, b in enumerate(table) if b in invalid_block_ids), None)
+        if bad is not None:
+            num_external = min(num_external, bad * kv.block_size - num_hit_tokens)
+            scheduler.remote_kv_tokens[rid] = (num_hit_tokens, num_external)
+        if num_hit_tokens + num_external:
+            kv.cache_blocks(request, num_hit_tokens + num_external)
+            scheduler.waiting.appendleft(request)  # first, whatever the policy: it holds its blocks
+        else:  # nothing arrived: it starts afresh (the tier forgot what it failed to read)
+            kv.free(request)
+            request.status = RequestStatus.PREEMPTED if request.metrics.num_preemptions else RequestStatus.WAITING
+            scheduler.requeue(request)
 
 
 def advance_grammar(request: Request, token: int) -> RequestStatus | None:

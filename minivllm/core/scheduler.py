@@ -15,6 +15,10 @@ vLLM V1's policy, in about a hundred lines (notebooks 04, 06, 08):
 4. Then waiting requests are admitted first come, first served, while budget, KV blocks
    and ``max_num_seqs`` allow. Prefix-cache hits are adopted here, and with a KV
    connector (``minivllm.distributed.kv_transfer``) the blocks it can load after them.
+   A load the connector makes asynchronous (from disk, or from another engine) does not
+   hold the step: the request gets its blocks and waits aside in
+   ``WAITING_FOR_REMOTE_KVS`` while the others run, and is admitted again, its loaded
+   tokens counted as computed, in the step after the connector reports them arrived.
 
 The scheduler never touches tensors; the model runner never makes policy.
 
@@ -54,7 +58,12 @@ from typing import TYPE_CHECKING
 
 from minivllm.config import SCHEDULING_POLICIES
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.sched_utils import advance_grammar, check_stop, recompute_failed_loads
+from minivllm.core.sched_utils import (
+    advance_grammar,
+    check_stop,
+    finish_remote_loads,
+    recompute_failed_loads,
+)
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -143,9 +152,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         """First in line at the left. Under "priority", ordered by :meth:`priority_key`."""
         self.running: list[Request] = []
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        """Requests whose blocks a KV connector is loading in the background."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrival_order: dict[str, int] = {}
+        self.remote_kv_tokens: dict[str, tuple[int, int]] = {}
+        """Request id -> (its prefix-cache hits, the tokens a background load brings), from
+        the step it starts waiting for them to the end of the request."""
         self._counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
@@ -166,16 +180,25 @@ class Scheduler:
         """Keep ``waiting`` sorted by :meth:`priority_key` (a plain sorted deque: a heap
         would be faster for long queues, but a reader can print this one in order)."""
         keys = [self.priority_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self.priority_key(request)), request)
+        self.waiting.insert(bisect.bisect_right(keys, self.priority_key(request), lo=self._num_arrived()), request)
 
-    def _requeue(self, request: Request) -> None:
+    def _num_arrived(self) -> int:
+        """How many requests at the front of ``waiting`` hold the KV a background load
+        brought (:func:`~minivllm.core.sched_utils.finish_remote_loads`). They stay first
+        under every policy: they hold all their blocks, so admitting them always makes
+        progress."""
+        return next((i for i, r in enumerate(self.waiting)
+                     if r.status is not RequestStatus.WAITING_FOR_REMOTE_KVS), len(self.waiting))
+
+    def requeue(self, request: Request) -> None:
         """Put a request that had been admitted back in line: at the front under "fcfs"
-        (it has waited longest), at its place by priority under "priority" (where an
-        earlier arrival of the same priority puts it ahead of those that never ran)."""
+        (it has waited longest; only requests whose KV has arrived stay ahead of it), at
+        its place by priority under "priority" (where an earlier arrival of the same
+        priority puts it ahead of those that never ran)."""
         if self.policy == "priority":
             self._insert_by_priority(request)
         else:
-            self.waiting.appendleft(request)
+            self.waiting.insert(self._num_arrived(), request)
 
     def schedule(self) -> SchedulerOutput:
         """One step's batch: running requests first, then waiting ones, in one token budget
@@ -227,8 +250,11 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_external = self.num_external_tokens(request, num_hit_tokens)  # 0 without a connector
+            hits, num_hit_tokens, num_external, load_async = self.find_computed_tokens(request)
+            if load_async:  # the connector loads them in the background: the request waits aside
+                if not self.wait_for_remote_kvs(out, request, hits, num_hit_tokens, num_external):
+                    break
+                continue
             num_new = request.num_tokens - num_hit_tokens - num_external
             if num_new > budget and not self.enable_chunked_prefill:
                 # Without chunking a prompt runs whole (add_request keeps prompts within the
@@ -255,12 +281,37 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def num_external_tokens(self, request: Request, num_hit_tokens: int) -> int:
-        """Tokens after the prefix-cache hits that the KV connector can load instead of
-        computing (``minivllm.distributed.kv_transfer``): 0 without one."""
+    def find_computed_tokens(self, request: Request) -> tuple[list, int, int, bool]:
+        """What of a waiting request is computed already: its prefix-cache hits (blocks,
+        tokens), the tokens after them that the KV connector can load
+        (``minivllm.distributed.kv_transfer``; 0 without one), and whether it loads them
+        in the background. A request whose background load has arrived holds its blocks
+        already: the same counts, with nothing left to adopt or to load."""
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:  # back from sched_utils.finish_remote_loads
+            return [], *self.remote_kv_tokens[request.request_id], False
+        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         if self.kv_connector is None:
-            return 0
-        return self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+            return hits, num_hit_tokens, 0, False
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        return hits, num_hit_tokens, num_external, load_async and num_external > 0
+
+    def wait_for_remote_kvs(self, out: SchedulerOutput, request: Request, hits: list, num_hit_tokens: int,
+                            num_external: int) -> bool:
+        """Admit the first waiting request for a background load: its hits and blocks for
+        its whole prompt are allocated (those to load into kept out of the prefix cache
+        until they are filled), and it waits aside, in no step. False if the blocks are
+        not there. (All its blocks now: a request whose KV has arrived must never wait
+        for blocks that requests in the same state hold.)"""
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hits, delay_cache_blocks=True) is None:
+            return False
+        self.waiting.remove(request)
+        self.kv_connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_external)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.remote_kv_tokens[request.request_id] = (num_hit_tokens, num_external)
+        return True
 
     def preempt_victim(self) -> Request:
         """Memory ran out (a running request could not get its blocks): preempt one
@@ -289,7 +340,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self._requeue(request)
+        self.requeue(request)
         return request
 
     def rollback(self, scheduler_output: SchedulerOutput) -> None:
@@ -319,7 +370,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             resumed = request.metrics.num_preemptions > 0
             request.status = RequestStatus.PREEMPTED if resumed else RequestStatus.WAITING
-            self._requeue(request)
+            self.requeue(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
@@ -338,6 +389,7 @@ class Scheduler:
         connector_output = model_runner_output.kv_connector_output
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(connector_output)
+            finish_remote_loads(self, connector_output.finished_recving, connector_output.invalid_block_ids)
             failed = recompute_failed_loads(scheduler_output, self.kv_cache_manager,
                                             connector_output.invalid_block_ids)
         for s in scheduler_output.scheduled:
@@ -381,15 +433,18 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.waiting_for_remote_kvs.pop(request.request_id, None)
+        self.remote_kv_tokens.pop(request.request_id, None)
         request.status = status
-        if self.kv_connector is not None:
+        if self.kv_connector is not None:  # waits for a load into its blocks still under way
             self.kv_connector.request_finished(request)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._arrival_order.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_remote_kvs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)

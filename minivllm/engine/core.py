@@ -272,7 +272,9 @@ class EngineCore:
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            if getattr(self.scheduler, "waiting_for_remote_kvs", None):  # background loads only
+                self._wait_for_remote_kvs(scheduler_output)
+            elif self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
             return []
         result = self._execute(scheduler_output, start)
@@ -296,6 +298,16 @@ class EngineCore:
         if self._stat_logger is not None:
             self._stat_logger.maybe_log(self.clock(), self.stats, self.scheduler_stats())
         return outputs
+
+    def _wait_for_remote_kvs(self, scheduler_output: SchedulerOutput) -> None:
+        """Nothing to compute: every request left waits for a KV connector's background
+        load. Run the connector alone (it starts the loads just scheduled and reports the
+        ones that arrived), and if none has, pause a millisecond rather than spin."""
+        scheduler_output.kv_connector_metadata = self.kv_connector.build_connector_meta(scheduler_output)
+        result = self.executor.execute_model(scheduler_output)
+        self.scheduler.update_from_output(scheduler_output, result)
+        if not result.kv_connector_output.finished_recving:
+            time.sleep(0.001)
 
     def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
         """The forward pass and sampling; if they fail, the step is rolled back."""
@@ -380,7 +392,8 @@ class EngineCore:
         kv = self.kv_cache_manager
         return SchedulerStats(
             num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting),
+            # vLLM counts requests waiting for a background KV load as waiting too
+            num_waiting_reqs=len(self.scheduler.waiting) + len(getattr(self.scheduler, "waiting_for_remote_kvs", ())),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,

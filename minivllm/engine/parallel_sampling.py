@@ -11,7 +11,7 @@ gathers their outputs back into one ``RequestOutput`` per parent.
 * **Share the prompt.** The children have the same prompt, so with prefix caching their
   prompt's *full* blocks are computed once and shared (ref counts). The children are
   admitted in the same step; the first registers the hashes of the blocks its prefill
-  will fill as soon as it is scheduled (``KVCacheManager._cache_full_blocks``), so the
+  will fill as soon as it is scheduled (``KVCacheManager.cache_blocks``), so the
   next ones, admitted right after it in the same step, already hit them: the model
   runner writes a layer's K/V for the whole batch before any attention in that layer
   reads it. The partial last block of the prompt is never shared (only full blocks are

@@ -124,16 +124,32 @@ class DiskTier:
         """One block, checked against the layout; a file that cannot be read or does not
         fit is forgotten (and deleted) and the error raised, so it is never tried again."""
         try:
-            block = load_file(str(self.path(block_hash)))["kv"]
-            if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
-                raise ValueError(f"holds {tuple(block.shape)} {block.dtype}, expected "
-                                 f"{self.block_shape} {self.dtype}")
+            block = self.load(block_hash)
         except Exception as e:
-            logger.warning("KV block file %s is unusable and is removed: %s", self.path(block_hash), e)
-            self.remove(block_hash)
+            self.forget(block_hash, e)
             raise
         self.files.move_to_end(block_hash)
         return block
+
+    def load(self, block_hash: bytes) -> torch.Tensor:
+        """One block from its file, checked against the layout (raises if it cannot be read
+        or does not fit). It touches none of the tier's bookkeeping, so a background
+        thread may call it; the caller then calls :meth:`forget` or :meth:`touch`."""
+        block = load_file(str(self.path(block_hash)))["kv"]
+        if tuple(block.shape) != self.block_shape or block.dtype != self.dtype:
+            raise ValueError(f"holds {tuple(block.shape)} {block.dtype}, expected "
+                             f"{self.block_shape} {self.dtype}")
+        return block
+
+    def touch(self, block_hash: bytes) -> None:
+        """A block was read: it is the most recently used."""
+        if block_hash in self.files:
+            self.files.move_to_end(block_hash)
+
+    def forget(self, block_hash: bytes, error: Exception) -> None:
+        """A block's file could not be used: log it and remove it, so it is never tried again."""
+        logger.warning("KV block file %s is unusable and is removed: %s", self.path(block_hash), error)
+        self.remove(block_hash)
 
     def remove(self, block_hash: bytes) -> None:
         self.files.pop(block_hash, None)

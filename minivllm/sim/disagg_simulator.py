@@ -63,9 +63,9 @@ class SimulatedTransfer(KVConnectorBase_V1):
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         loadable = (len(request.prompt_token_ids) - 1) // self.block_size * self.block_size
-        return max(0, loadable - num_computed_tokens)
+        return max(0, loadable - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         pass

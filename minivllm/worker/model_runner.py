@@ -252,8 +252,24 @@ class ModelRunner:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: pack the inputs, run the forward pass, sample."""
+        if not scheduler_output.scheduled:
+            return self.kv_connector_no_forward(scheduler_output)
         step = self.prepare_step(scheduler_output)
         return self.sample_step(step, self.forward(step))
+
+    def kv_connector_no_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A step with nothing to compute while a KV connector loads in the background:
+        start the loads the scheduler just asked for, and report those that arrived."""
+        connector = self.kv_connector
+        if connector is None or scheduler_output.kv_connector_metadata is None:
+            raise RuntimeError("a step with nothing scheduled and no KV connector work: this is a bug")
+        connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        return ModelRunnerOutput(sampled={}, model_time=0.0, kv_connector_output=connector.get_finished())
 
     def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInputs:
         """The step's flat batch and metadata, and which logits rows it keeps: the

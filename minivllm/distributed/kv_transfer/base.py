@@ -12,7 +12,8 @@ base.py``, ``KVConnectorBase_V1``) with its method names.
 
 1. ``get_num_new_matched_tokens(request, num_computed_tokens)``: a waiting request has
    found ``num_computed_tokens`` tokens in the local prefix cache; how many *more* of its
-   tokens can the connector supply? The scheduler skips computing them.
+   tokens can the connector supply, and will it load them in the background? The
+   scheduler skips computing them.
 2. ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the blocks they
    will be loaded into are now allocated.
 3. ``build_connector_meta(scheduler_output)``: everything to move this step (loads, saves),
@@ -31,7 +32,19 @@ base.py``, ``KVConnectorBase_V1``) with its method names.
 
 Per layer, because on a GPU transfers run on their own stream: layer 3 can compute while
 layer 4's blocks are still arriving and layer 2's are leaving. On a CPU there is no second
-stream, and minivllm's connector copies synchronously; the calls are where they would be.
+stream, and minivllm's connectors copy from RAM synchronously; the calls are where they
+would be.
+
+**A load in the background.** A load that takes long (from disk, or from another machine)
+should not hold up the step: everyone else's next token would wait for it. So
+``get_num_new_matched_tokens`` may answer that its load is asynchronous. The scheduler
+then allocates the request's blocks, keeps them out of the prefix cache, and parks the
+request in ``WAITING_FOR_REMOTE_KVS``, in no step; the worker side starts the load in
+``start_load_kv`` and lets it run while the steps go on, and ``get_finished`` names the
+requests whose blocks have arrived (``finished_recving``). The step after that, the request
+is admitted with those tokens computed. A step with nothing to compute still runs the
+connector (the model runner's ``kv_connector_no_forward``), so that loads are started and
+their arrival is noticed.
 
 In vLLM the two sides are two objects in two processes (the scheduler's and each GPU
 worker's, ``KVConnectorRole``). In minivllm the scheduler and the model runner share the
@@ -62,8 +75,11 @@ class KVConnectorMetadata:
 @dataclass
 class KVConnectorOutput:
     """What the worker side reports after a step (vLLM's ``KVConnectorOutput``, which also
-    names the requests whose asynchronous sends and receives finished: none are here)."""
+    names the requests whose asynchronous sends finished: minivllm's sends are synchronous)."""
 
+    finished_recving: set[str] = field(default_factory=set)
+    """Requests whose background load finished since the last report (their failed
+    blocks, if any, are in ``invalid_block_ids``)."""
     invalid_block_ids: set[int] = field(default_factory=set)
     """Engine blocks whose load failed: they hold garbage, and the requests holding them
     compute again from there (``minivllm.core.sched_utils.recompute_failed_loads``)."""
@@ -75,12 +91,12 @@ class KVConnectorBase_V1:  # noqa: N801  (vLLM's name)
     _metadata: KVConnectorMetadata | None = None
 
     # -- scheduler side ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` that the connector can load into the cache,
-        a whole number of blocks, never the request's last token (it must run to give
-        logits). vLLM also returns whether the load is asynchronous (the request then
-        waits in ``WAITING_FOR_REMOTE_KVS``); minivllm's loads finish within the step."""
-        return 0
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens past ``num_computed_tokens`` that the connector can load into the cache,
+        whether it loads them in the background). The tokens are a whole number of blocks,
+        never the request's last token (it must run to give logits). A background load
+        parks the request in ``WAITING_FOR_REMOTE_KVS`` until ``get_finished`` reports it."""
+        return 0, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
@@ -94,7 +110,8 @@ class KVConnectorBase_V1:  # noqa: N801  (vLLM's name)
         """The step ran; what the worker side reported."""
 
     def request_finished(self, request: Request) -> None:
-        """The request finished or was aborted; its blocks are about to be freed."""
+        """The request finished or was aborted; its blocks are about to be freed (so a
+        background load into them must be over when this returns)."""
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

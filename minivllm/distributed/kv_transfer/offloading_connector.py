@@ -14,7 +14,11 @@ computed in a bigger, slower tier, so an evicted prefix is *loaded* instead:
 * **Load**, on admission: after the local prefix cache gave its hits, the blocks right after
   them are looked up in the CPU tier, then on disk (``get_num_new_matched_tokens``). They are
   copied into the request's new blocks before the forward pass (``start_load_kv``), and the
-  request starts computing after them, exactly as after a local hit.
+  request starts computing after them, exactly as after a local hit. A load that reads from
+  disk runs in the background instead, on a thread of its own: a few milliseconds a block,
+  which would otherwise stretch the step that everyone else's next token waits for. The
+  request waits aside (``WAITING_FOR_REMOTE_KVS``) and is admitted once ``get_finished``
+  reports its blocks arrived.
 * **Restart**: at shutdown the CPU tier is written to disk, and a new engine over the same
   folder finds every block there.
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import Counter as Tally
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -62,6 +67,8 @@ EXTRA_CONFIG = {"num_cpu_blocks": "blocks the CPU tier holds (required)",
 class OffloadingMetadata(KVConnectorMetadata):
     loads: list[tuple[int, bytes, str, int | None]] = field(default_factory=list)
     """(engine block id, hash, tier "cpu" or "disk", CPU slot) of each block to load."""
+    recvs: dict[str, list[tuple[int, bytes, str, int | None]]] = field(default_factory=dict)
+    """Request id -> the same, for the requests whose load runs in the background."""
     spills: list[tuple[bytes, int]] = field(default_factory=list)
     """(hash, CPU slot) of blocks evicted from the CPU tier, to write to disk first."""
     stores: list[tuple[int, int, bytes]] = field(default_factory=list)
@@ -106,6 +113,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._matched: dict[str, tuple[int, list[tuple[bytes, str]]]] = {}
         """request id -> (first block looked up, the (hash, tier) found after it)."""
         self._loads: list[tuple[int, bytes, str, int | None]] = []
+        self._recvs: dict[str, list[tuple[int, bytes, str, int | None]]] = {}
+        self._inflight: dict[str, Future] = {}
+        """Request id -> its background load (worker side)."""
+        self._loader: ThreadPoolExecutor | None = None
         self._num_stored: dict[str, int] = {}
         """request id -> how many of its leading blocks have been offered for storing."""
         self._pending_owner: dict[bytes, tuple[str, int]] = {}
@@ -133,9 +144,11 @@ class OffloadingConnector(KVConnectorBase_V1):
         return num_cpu, disk_path, num_disk
 
     # -- scheduler side ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The blocks after the hits found in a tier, and whether any comes from disk (the
+        load then runs in the background)."""
         if not self.loads or request.scores_prompt:  # prompt logprobs need every position's logits
-            return 0
+            return 0, False
         start = num_computed_tokens // self.block_size
         end = (request.num_tokens - 1) // self.block_size  # the last token always runs
         found = []
@@ -146,17 +159,25 @@ class OffloadingConnector(KVConnectorBase_V1):
                 break
             found.append((block_hash, tier))
         self._matched[request.request_id] = (start, found)
-        return len(found) * self.block_size
+        return len(found) * self.block_size, any(tier == "disk" for _, tier in found)
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        start, found = self._matched.pop(request.request_id, (0, []))
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None:  # admitted after its background load: nothing more to look up
+            return
+        start, found = matched
         if request.metrics.num_preemptions == 0:
             self.stats.queries += request.num_tokens
+        loads = []
         for j, (block_hash, tier) in enumerate(found[:num_external_tokens // self.block_size]):
             slot = self.cpu.touch(block_hash) if tier == "cpu" else None
-            self._loads.append((block_ids[start + j], block_hash, tier, slot))
+            loads.append((block_ids[start + j], block_hash, tier, slot))
             self.stats.hits[tier] += self.block_size
+        if any(tier == "disk" for _, _, tier, _ in loads):
+            self._recvs[request.request_id] = loads
+        else:
+            self._loads += loads
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadingMetadata:
         """This step's loads (from admissions), and the blocks it fills that no tier holds."""
@@ -164,7 +185,9 @@ class OffloadingConnector(KVConnectorBase_V1):
             request_id, index = self._pending_owner[block_hash]
             self._num_stored[request_id] = min(self._num_stored.get(request_id, 0), index)
         self._pending_owner.clear()
-        meta = OffloadingMetadata(loads=self._loads)
+        # Background loads stay asked for until the worker side starts them: a step that
+        # fails before its forward pass must not leave a request waiting for nothing.
+        meta = OffloadingMetadata(loads=self._loads, recvs=dict(self._recvs))
         self._loads = []
         for s in scheduler_output.scheduled if self.saves else ():
             request, rid = s.request, s.request.request_id
@@ -195,13 +218,21 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._pending_owner.clear()
 
     def request_finished(self, request: Request) -> None:
-        self._num_stored.pop(request.request_id, None)
-        self._matched.pop(request.request_id, None)
+        """Also: wait for a background load into its blocks (they are freed next); what it
+        read is counted, but failed blocks are not reported (they are nobody's any more)."""
+        rid = request.request_id
+        self._num_stored.pop(rid, None)
+        self._matched.pop(rid, None)
+        self._recvs.pop(rid, None)  # parked, and gone before its load started
+        if (load := self._inflight.pop(rid, None)) is not None:
+            self._absorb(load.result(), report=False)
 
     # -- worker side ------------------------------------------------------------------
     def start_load_kv(self) -> None:
         """Loads first, then spills: a block loaded this step may sit in a CPU slot that
-        this step's stores reuse, or in a file that a spill pushes out of the disk tier."""
+        this step's stores reuse, or in a file that a spill pushes out of the disk tier.
+        A background load copies its RAM blocks now, for the same reason, and hands its
+        disk blocks to the loader thread."""
         meta = self._metadata
         for block_id, block_hash, tier, slot in meta.loads:
             t0 = time.perf_counter()
@@ -210,10 +241,19 @@ class OffloadingConnector(KVConnectorBase_V1):
             except Exception:  # logged and forgotten by the tier; the block is recomputed
                 self._invalid.add(block_id)
                 continue
-            for layer, (k, v) in enumerate(self.kv_caches):
-                k[block_id] = block[layer, 0]
-                v[block_id] = block[layer, 1]
+            self._copy_in(block_id, block)
             self._count(f"{tier}_to_device", 1, t0)
+        for rid, loads in meta.recvs.items():
+            if self._recvs.pop(rid, None) is None:  # started already, or the request is gone
+                continue
+            for block_id, _, _, slot in (load for load in loads if load[2] == "cpu"):
+                t0 = time.perf_counter()
+                self._copy_in(block_id, self.cpu.pool[slot])
+                self._count("cpu_to_device", 1, t0)
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="minivllm-kv-load")
+            disk = [(block_id, block_hash) for block_id, block_hash, tier, _ in loads if tier == "disk"]
+            self._inflight[rid] = self._loader.submit(self._read_from_disk, disk)
         for block_hash, slot in meta.spills:
             if block_hash not in self.disk:  # a producer's blocks are there already
                 t0 = time.perf_counter()
@@ -229,9 +269,46 @@ class OffloadingConnector(KVConnectorBase_V1):
                 self.disk.write(block_hash, self.cpu.pool[slot])
                 self._count("cpu_to_disk", 1, t0)
 
+    def _copy_in(self, block_id: int, block: torch.Tensor) -> None:
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k[block_id] = block[layer, 0]
+            v[block_id] = block[layer, 1]
+
+    def _read_from_disk(self, loads: list[tuple[int, bytes]]) -> list[tuple[int, bytes, Exception | None, float]]:
+        """On the loader thread: read each block's file into its engine block. The forward
+        pass runs meanwhile, on blocks that are not these (the request is in no step).
+        Touches no bookkeeping: (block id, hash, error or None, seconds) of each goes
+        back to the engine's thread (:meth:`_absorb`)."""
+        done = []
+        for block_id, block_hash in loads:
+            t0 = time.perf_counter()
+            try:
+                self._copy_in(block_id, self.disk.load(block_hash))
+                done.append((block_id, block_hash, None, time.perf_counter() - t0))
+            except Exception as e:
+                done.append((block_id, block_hash, e, 0.0))
+        return done
+
+    def _absorb(self, done: list[tuple[int, bytes, Exception | None, float]], report: bool = True) -> None:
+        """A background load's results, on the engine's thread: count the blocks read,
+        forget the files that failed, and (``report``) name their blocks as invalid."""
+        for block_id, block_hash, error, seconds in done:
+            if error is not None:
+                self.disk.forget(block_hash, error)
+                if report:
+                    self._invalid.add(block_id)
+                continue
+            self.disk.touch(block_hash)
+            self.stats.seconds["disk_to_device"] += seconds
+            self.stats.bytes["disk_to_device"] += self.block_bytes
+
     def get_finished(self) -> KVConnectorOutput:
+        """The background loads that are over, and the blocks that failed to load."""
+        finished = {rid for rid, load in self._inflight.items() if load.done()}
+        for rid in finished:
+            self._absorb(self._inflight.pop(rid).result())
         invalid, self._invalid = self._invalid, set()
-        return KVConnectorOutput(invalid_block_ids=invalid)
+        return KVConnectorOutput(finished_recving=finished, invalid_block_ids=invalid)
 
     def save_kv_layer(self, layer_idx, kv_layer, attn_metadata) -> None:
         meta = self._metadata
@@ -252,7 +329,13 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     # -- both -------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Write the CPU tier's blocks to disk, so that the next engine finds them."""
+        """Finish the background loads, and write the CPU tier's blocks to disk, so that
+        the next engine finds them."""
+        for rid in list(self._inflight):
+            self._absorb(self._inflight.pop(rid).result(), report=False)
+        if self._loader is not None:
+            self._loader.shutdown()
+            self._loader = None
         if self.disk is None:
             return
         for block_hash, slot in self.cpu.slots.items():

@@ -12,7 +12,10 @@ Here the KV goes through a shared folder: the producer writes every full block i
 computes to the folder in the step that computes it (one safetensors file per block,
 named by its prefix-cache hash, as the offloading connector's disk tier does), and the
 consumer looks each block of a new prompt up there by hash and loads it, computing only
-the partial block at the end. Nothing else changes: the hash chain makes "this block is
+the partial block at the end. The consumer reads the files in the background, on a thread
+of its own, while its steps go on: the request waits aside (``WAITING_FOR_REMOTE_KVS``)
+and the decodes already running never wait for a file (vLLM's ``NixlConnector`` loads
+asynchronously the same way). Nothing else changes: the hash chain makes "this block is
 the KV of exactly this prefix" checkable by name. ``kv_role="kv_both"`` does both.
 
 In vLLM: ``vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py``, an
