@@ -19,7 +19,7 @@ in the timeline; each figure carries the key.
     viz.replay(llm.trace)        # step slider + play button in Jupyter
 
 One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
-``steps``, ``architecture``, ``spec_decode``, ``cluster``, ``quantization``), with the shared colours and
+``steps``, ``architecture``, ``spec_decode``, ``cluster``, ``quantization``, ``disagg``), with the shared colours and
 sizes in ``style`` and :func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
 is all a notebook needs.
 """
@@ -27,6 +27,17 @@ is all a notebook needs.
 from minivllm.viz.architecture import plot_architecture, plot_process_split
 from minivllm.viz.batch import plot_batch_composition, plot_flat_batch
 from minivllm.viz.cluster import CLUSTER_SWEEP_SIZE, POLICY_COLORS, plot_cluster_sweep
+from minivllm.viz.disagg import (
+    LAYOUT_COLORS,
+    TIER_COLORS,
+    ConnectorCall,
+    condense_calls,
+    plot_connector_calls,
+    plot_disagg_layouts,
+    plot_goodput_sweep,
+    plot_prefill_interference,
+    plot_tier_residency,
+)
 from minivllm.viz.kv_cache import (
     block_owners,
     memory_waste,
@@ -82,12 +93,14 @@ __all__ = [
     "BATCH_SIZE",
     "BLOCK_TABLE_SIZE",
     "CLUSTER_SWEEP_SIZE",
+    "ConnectorCall",
     "DECODE_COLOR",
     "FEW_SAMPLES",
     "FIGURES_ENV",
     "FLAT_BATCH_SIZE",
     "FREE_COLOR",
     "KV_USAGE_SIZE",
+    "LAYOUT_COLORS",
     "LATENCY_SIZE",
     "MAX_KEYED_REQUESTS",
     "MEMORY_WASTE_SIZE",
@@ -98,10 +111,12 @@ __all__ = [
     "REPLAY_SIZE",
     "STEPS_SIZE",
     "SavedFigure",
+    "TIER_COLORS",
     "TIMELINE_SIZE",
     "VARIANT_COLORS",
     "WAITING_COLOR",
     "block_owners",
+    "condense_calls",
     "figures_dir",
     "memory_waste",
     "pick_steps",
@@ -110,13 +125,17 @@ __all__ = [
     "plot_block_table",
     "plot_channel_maxima",
     "plot_cluster_sweep",
+    "plot_connector_calls",
     "plot_decode_bytes",
+    "plot_disagg_layouts",
     "plot_flat_batch",
+    "plot_goodput_sweep",
     "plot_kv_scales",
     "plot_kv_usage",
     "plot_latency",
     "plot_layer_errors",
     "plot_parting_step",
+    "plot_prefill_interference",
     "plot_process_split",
     "plot_memory_waste",
     "plot_priority_timeline",
@@ -125,6 +144,7 @@ __all__ = [
     "plot_request_timeline",
     "plot_spec_decode",
     "plot_steps",
+    "plot_tier_residency",
     "plot_ttft_breakdown",
     "replay",
     "request_color",
