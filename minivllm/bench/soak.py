@@ -4,8 +4,8 @@ with faults injected on a schedule. It counts what an operator needs to trust a 
 A soak answers what a test of seconds cannot. Does a request ever go missing? Does a
 fault leave KV blocks behind? Does memory creep up with every thousand requests? This
 mode plays a supervisor (it starts ``minivllm serve`` and starts it again when it exits)
-and a crowd of clients. Every ``--fault-interval`` seconds it injects the next fault of
-a fixed cycle:
+and a crowd of clients, whose prompts run from one short question to thirty of them.
+Every ``--fault-interval`` seconds it injects the next fault of a fixed cycle:
 
 * ``hang_up``: a client that leaves mid-stream;
 * ``slow_reader``: a client that sends a streaming request, then reads nothing for 10 s
@@ -197,7 +197,11 @@ class Soak:
             params["n"] = 2
         if rng.random() < 0.2:
             params["stop"] = ["."]
-        prompt = rng.choice(PROMPTS)
+        # A quarter of the prompts are two to thirty questions in one, so the server sees
+        # prompts of every length up to a few hundred tokens, as a real one does (each new
+        # length is a new shape for the matrix products: memory that must stop growing).
+        count = rng.randint(2, 30) if rng.random() < 0.25 else 1
+        prompt = " ".join(rng.choice(PROMPTS) for _ in range(count))
         if rng.random() < 0.5:
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **params}
         return "/v1/completions", {"prompt": prompt, **params}
