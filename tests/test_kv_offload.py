@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 from helpers import all_blocks_free, greedy, hf_greedy, run_engine
@@ -182,7 +183,9 @@ def test_disaggregated_prefill_through_a_shared_folder(model, tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(20, 40))] for _ in range(4)]
     prefill = LLM(model, **SMALL, kv_transfer_config=shared("kv_producer", tmp_path))
-    decode = LLM(model, **SMALL, kv_transfer_config=shared("kv_consumer", tmp_path))
+    # Room for every request at once: a preempted request would recompute its output
+    # tokens too, and when that happens depends on when the loads arrive.
+    decode = LLM(model, **{**SMALL, "num_kv_blocks": 64}, kv_transfer_config=shared("kv_consumer", tmp_path))
     run_engine(prefill, prompts, [1] * len(prompts))
     assert metric(prefill, "external_prefix_cache_hits") == 0  # a producer never loads
     outputs = run_engine(decode, prompts, [8] * len(prompts))
@@ -192,8 +195,22 @@ def test_disaggregated_prefill_through_a_shared_folder(model, tmp_path):
         assert (local, loaded) == (0, (len(p) - 1) // 4 * 4)
     computed = sum(s.num_prefill_tokens for s in decode.trace.steps)
     assert computed == sum(len(p) - (len(p) - 1) // 4 * 4 for p in prompts)  # 1 to 4 each
+    assert metric(decode, "num_preemptions") == 0
     assert not list(tmp_path.glob("*/*.tmp*"))  # every file complete under its real name
     assert all_blocks_free(prefill) and all_blocks_free(decode)
+
+
+def test_example_connector_is_vllms_current_name_for_the_shared_folder(model, tmp_path):
+    """vLLM renamed SharedStorageConnector to ExampleConnector; a decode engine configured
+    with the new name loads what a producer under the old name wrote, and generates what
+    transformers does."""
+    prompt = [random.Random(8).randrange(VOCAB) for _ in range(21)]
+    run_engine(LLM(model, **SMALL, kv_transfer_config=shared("kv_producer", tmp_path)), [prompt], [1])
+    decode = LLM(model, **SMALL, kv_transfer_config={**shared("kv_consumer", tmp_path),
+                                                     "kv_connector": "ExampleConnector"})
+    assert run_engine(decode, [prompt], [6]) == [hf_greedy(model, prompt, 6)]
+    assert admitted_hits(decode, 0) == (0, 20)
+    assert all_blocks_free(decode)
 
 
 def test_shared_storage_needs_its_folder(model):
@@ -202,22 +219,27 @@ def test_shared_storage_needs_its_folder(model):
     assert e.value.param == "shared_storage_path"
 
 
-def held_disk_reads(monkeypatch) -> threading.Event:
-    """Every disk read of a KV block waits until the returned event is set."""
+def held_disk_reads(monkeypatch, reads: list | None = None) -> threading.Event:
+    """Every disk read of a KV block waits until the returned event is set (and, once
+    done, is appended to ``reads``)."""
     gate, load = threading.Event(), DiskTier.load
 
     def held(self, block_hash):
         assert gate.wait(60), "the test never released the disk reads"
-        return load(self, block_hash)
+        block = load(self, block_hash)
+        if reads is not None:
+            reads.append(block_hash)
+        return block
 
     monkeypatch.setattr(DiskTier, "load", held)
     return gate
 
 
-def prefilled(model, tmp_path, prompt: list[int]) -> LLM:
+def prefilled(model, tmp_path, prompt: list[int], num_kv_blocks: int = SMALL["num_kv_blocks"]) -> LLM:
     """A decode engine over a folder where a prefill engine has put ``prompt``'s blocks."""
     run_engine(LLM(model, **SMALL, kv_transfer_config=shared("kv_producer", tmp_path)), [prompt], [1])
-    return LLM(model, **SMALL, kv_transfer_config=shared("kv_consumer", tmp_path))
+    return LLM(model, **{**SMALL, "num_kv_blocks": num_kv_blocks},
+               kv_transfer_config=shared("kv_consumer", tmp_path))
 
 
 def test_a_load_from_disk_runs_in_the_background_while_others_decode(model, tmp_path, monkeypatch):
@@ -248,6 +270,44 @@ def test_a_load_from_disk_runs_in_the_background_while_others_decode(model, tmp_
     assert [c.num_new_tokens for c in admitted.scheduled if c.request_id == "long"] == [1]
     assert metric(decode, "kv_offload_hits", tier="disk") == 32
     assert metric(decode, "kv_offload_bytes", transfer_type="disk_to_device") > 0
+    assert all_blocks_free(decode)
+
+
+def test_a_request_that_runs_out_of_room_beside_arrived_kv_steps_aside(model, tmp_path, monkeypatch):
+    """A request whose KV has arrived holds all its blocks while it waits to be admitted.
+    If they are the blocks the one running request needed, that request is preempted in
+    a step that computes nothing; the next step admits the arrived one, and both end with
+    exactly transformers' tokens. (This step once raised "scheduler made no progress".)"""
+    rng = random.Random(9)
+    long, short = [rng.randrange(VOCAB) for _ in range(33)], [rng.randrange(VOCAB) for _ in range(5)]
+    decode = prefilled(model, tmp_path, long, num_kv_blocks=12)  # long holds 9, short gets 3
+    reads: list = []
+    gate = held_disk_reads(monkeypatch, reads)
+    engine = decode.llm_engine
+    engine.add_request("short", {"prompt_token_ids": short}, greedy(12))
+    engine.add_request("long", {"prompt_token_ids": long}, greedy(6))
+    tokens: dict[str, list[int]] = {"short": [], "long": []}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+
+    for _ in range(7):  # short's 12 tokens fill its 3 blocks; long's blocks are still on disk
+        step()
+    assert engine.scheduler.requests["short"].num_tokens == 12
+    gate.set()
+    deadline = time.monotonic() + 60
+    while len(reads) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the loader thread hands its result over
+    step()  # short's 12th token; the load has arrived: long waits to be admitted, holding 9 blocks
+    step()  # short's 13th token needs a 4th block: short steps aside, nothing is computed
+    only_preempted = decode.trace.steps[-1]
+    assert (only_preempted.scheduled, only_preempted.preempted) == ([], ["short"])
+    while engine.has_unfinished_requests():
+        step()
+    assert tokens == {"short": hf_greedy(model, short, 12), "long": hf_greedy(model, long, 6)}
+    assert metric(decode, "num_preemptions") >= 1
     assert all_blocks_free(decode)
 
 

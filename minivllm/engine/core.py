@@ -272,9 +272,11 @@ class EngineCore:
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if scheduler_output.preempted:  # memory ran out and every running request left
+                self._record_preemptions(scheduler_output, start)
             if getattr(self.scheduler, "waiting_for_remote_kvs", None):  # background loads only
                 self._wait_for_remote_kvs(scheduler_output)
-            elif self.scheduler.has_unfinished_requests():
+            elif not scheduler_output.preempted and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
             return []
         result = self._execute(scheduler_output, start)
@@ -308,6 +310,15 @@ class EngineCore:
         self.scheduler.update_from_output(scheduler_output, result)
         if not result.kv_connector_output.finished_recving:
             time.sleep(0.001)
+
+    def _record_preemptions(self, scheduler_output: SchedulerOutput, start: float) -> None:
+        """A step that only preempted: the running requests could not grow, and the blocks
+        they held are what let the next step admit (with a KV connector, requests whose
+        loaded KV has arrived hold their blocks while they wait to be admitted, so a
+        lone running request can run out of room). Nothing is computed; the preemptions
+        are counted and the step is in the trace like any other."""
+        self._record(scheduler_output, start, self.clock(), 0.0, [], {})
+        self.stats.num_preemptions += len(scheduler_output.preempted)
 
     def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
         """The forward pass and sampling; if they fail, the step is rolled back."""
