@@ -248,8 +248,11 @@ class SpeculativeConfig:
         return dataclasses.asdict(self)
 
 
-KV_CONNECTORS = ("OffloadingConnector", "SharedStorageConnector")
-"""The KV connectors minivllm has (``minivllm.distributed.kv_transfer``)."""
+KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector", "SharedStorageConnector")
+"""The KV connectors minivllm has (``minivllm.distributed.kv_transfer``). "ExampleConnector"
+and "SharedStorageConnector" name the same one: vLLM renamed its shared-folder example
+connector in December 2025 (vllm#30201), and configurations written before still use the
+old name, which both vLLM's history and this engine accept."""
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 

@@ -61,6 +61,6 @@ def make_kv_connector(config: EngineConfig, kv_cache_manager: KVCacheManager,
               f"kv_scales={scales} quantization={config.quantization} block_size={config.block_size} "
               f"weights={weights.hexdigest()[:16]}\n{model.config.to_json_string()}")
     transfer = KVTransferConfig.parse(config.kv_transfer_config)
-    cls = {"OffloadingConnector": OffloadingConnector,
+    cls = {"OffloadingConnector": OffloadingConnector, "ExampleConnector": SharedStorageConnector,
            "SharedStorageConnector": SharedStorageConnector}[transfer.kv_connector]
     return cls(transfer, kv_cache_manager, block_shape, cache_dtype, layout)

@@ -18,12 +18,14 @@ and the decodes already running never wait for a file (vLLM's ``NixlConnector`` 
 asynchronously the same way). Nothing else changes: the hash chain makes "this block is
 the KV of exactly this prefix" checkable by name. ``kv_role="kv_both"`` does both.
 
-In vLLM: ``vllm/distributed/kv_transfer/kv_connector/v1/shared_storage_connector.py``, an
-example connector (one folder per request) that its disaggregated-prefill examples use;
-production deployments move KV GPU to GPU (``NixlConnector`` over RDMA, Mooncake, P2P
-NCCL), and a proxy sends each request to a prefill engine with ``max_tokens=1`` first,
-then to a decode engine. On several machines this folder would have to be a network file
-system; on one, it is a page-cache copy.
+In vLLM: ``ExampleConnector`` in ``vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py``
+(``SharedStorageConnector`` until vllm#30201 renamed it, December 2025; this engine takes
+either name), an example for connector writers (one folder per request) that its
+disaggregated-prefill examples use, not for production. Production deployments move KV
+GPU to GPU (``NixlConnector`` over RDMA or NVLink, ``MooncakeConnector``, LMCache), and a
+proxy sends each request to a prefill engine with ``max_tokens=1`` first, then to a
+decode engine. On several machines this folder would have to be a network file system;
+on one, it is a page-cache copy.
 """
 
 from __future__ import annotations
