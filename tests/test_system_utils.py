@@ -55,3 +55,17 @@ def test_children_get_the_environment_of_now_and_the_imports_done_once(monkeypat
     assert first["parent_pid"] == second["parent_pid"] == os.getpid()
     if forkserver:  # the child's own code began with the libraries already imported
         assert first["preloaded"] == second["preloaded"] == list(PRELOAD)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this system")
+def test_the_cores_to_share_out_are_those_the_process_may_run_on():
+    """Held to one core (as ``taskset -c 0`` holds a process), a process counts one core
+    to share out as threads, whatever the machine has."""
+    import subprocess
+
+    count = "from minivllm.utils.system_utils import available_cpus; print(available_cpus())"
+    hold = "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]}); "
+    held = subprocess.run([sys.executable, "-c", hold + count], capture_output=True, text=True, check=True)
+    free = subprocess.run([sys.executable, "-c", count], capture_output=True, text=True, check=True)
+    assert held.stdout.strip() == "1"
+    assert free.stdout.strip() == str(len(os.sched_getaffinity(0)))

@@ -45,6 +45,7 @@ import numpy as np
 
 from minivllm.bench.serve import make_prompts, stream_completion
 from minivllm.metrics import percentile
+from minivllm.utils.system_utils import available_cpus
 
 LAYOUTS = ("one engine", "two replicas", "disaggregated")
 
@@ -70,8 +71,8 @@ def layout_urls(layout: str, serve_argv: list[str], folder: str) -> Iterator[str
     from minivllm.entrypoints.openai.api_server import ServerThread
     from minivllm.entrypoints.router_app import build_router_app
 
-    cores = str(os.cpu_count() or 1)
-    half = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
+    cores = str(available_cpus())
+    half = {"OMP_NUM_THREADS": str(max(1, available_cpus() // 2))}
     quiet = {"log_dir": folder, "startup_timeout": 600}
     with contextlib.ExitStack() as stack:
         if layout == "one engine":
@@ -215,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
                             4, args.duration, args.seed, vocab)
     print(f"{args.chatters} chat streams ({args.max_tokens} tokens each, back to back) and "
           f"{args.long_len}-token prompts arriving at {args.long_rate:g}/s, {args.duration:g} s per layout, "
-          f"{os.cpu_count()} cores:")
+          f"{available_cpus()} cores:")
     print(format_disagg_table(rows))
     return 0 if len({r.probe for r in rows}) == 1 else 1
 

@@ -23,7 +23,6 @@ that is where tensor parallelism pays.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -32,6 +31,7 @@ import torch
 from minivllm.bench.common import load_tokenizer
 from minivllm.distributed.parallel_state import measure_all_reduce
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.system_utils import available_cpus
 from minivllm.worker.model_loader import DEFAULT_MODEL, make_tiny_model
 
 PROMPTS = [
@@ -55,7 +55,7 @@ def run_one(model, tensor_parallel_size: int, prompts: list[list[int]], max_toke
     # Rank 0 takes the same share of the cores as each worker (the executor gives them
     # cpu_count // T threads), as each GPU would be a device of its own.
     saved_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tensor_parallel_size))
+    torch.set_num_threads(max(1, available_cpus() // tensor_parallel_size))
     try:
         return _run_one(LLM, model, tensor_parallel_size, prompts, max_tokens, params, **engine)
     finally:

@@ -38,6 +38,7 @@ import httpx
 from minivllm.entrypoints.openai.tenants import load_tenants
 from minivllm.entrypoints.router_app import run_router
 from minivllm.exceptions import ValidationError
+from minivllm.utils.system_utils import available_cpus
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -169,7 +170,7 @@ def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str,
                       tenants_file: str | None = None, **router_kwargs: Any) -> None:
     """``minivllm serve --data-parallel-size N``: N local replicas and the router in front
     (holding the limits of ``tenants_file``'s tenants, if given)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // size)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // size)))
     with tempfile.TemporaryDirectory() as folder:
         if tenants_file is not None:
             serve_argv = [*serve_argv, "--tenants", replica_tenants(tenants_file, folder)]

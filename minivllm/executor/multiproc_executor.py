@@ -70,6 +70,7 @@ from minivllm.distributed.parallel_state import (
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size, shard_model
 from minivllm.executor.abstract import Executor
 from minivllm.utils.system_utils import (
+    available_cpus,
     describe_exit,
     get_mp_context,
     parent_alive,
@@ -254,7 +255,7 @@ class MultiprocExecutor(Executor):
             # when this process goes (the parent check above), so lift the flag.
             multiprocessing.current_process().daemon = False
         # Workers get an equal share of the cores; rank 0 keeps its own setting.
-        threads = max(1, (os.cpu_count() or 1) // t)
+        threads = max(1, available_cpus() // t)
         cpu_model = model if device.type == "cpu" else _cpu_copy(model)
         self.processes, self.conns = [], []
         self._finalizer = weakref.finalize(self, _stop_workers, self.processes, self.conns)

@@ -112,3 +112,14 @@ def describe_exit(what: str, exitcode: int | None) -> str:
         except ValueError:
             pass
     return f"{what} exited (exit code {exitcode})"
+
+
+def available_cpus() -> int:
+    """The cores this process may run on, which is what its processes share out as
+    threads: the CPU affinity where the system reports one (Linux: ``taskset -c 0``, a
+    container's ``--cpuset-cpus``), else ``os.cpu_count()``. The machine's count would
+    give two threads per core under ``taskset -c 0``, and threads that take turns on one
+    core make every step slower than one thread does."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
