@@ -45,6 +45,8 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch", "transposed")
 """The libraries the linear layers may run on (``minivllm.worker.linear``)."""
 SCHEDULING_POLICIES = ("fcfs", "priority")
 """vLLM's two policies: first come first served, or by each request's ``priority``."""
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+"""vLLM's names for who starts the tensor-parallel ranks (``minivllm.executor``)."""
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 """Seeds are signed 64-bit integers, as in OpenAI's API (torch accepts this range)."""
 QUANTIZATION_METHODS = ("int8",)
@@ -126,6 +128,11 @@ class EngineConfig:
         1, "split the model across this many processes (rank 0 is the engine's own), by "
            "attention heads and MLP slices, joined by torch.distributed (gloo on a CPU, NCCL "
            "on GPUs, one per rank; minivllm.distributed); must divide the query and KV heads")
+    distributed_executor_backend: str = setting(
+        "mp", "how the tensor-parallel ranks 1..T-1 are started: 'mp', worker processes on this "
+              "machine; 'ray', Ray actors placed on the nodes of a Ray cluster "
+              '(pip install "minivllm[ray]"; minivllm.executor.ray_distributed_executor); '
+              "'uni': one process (tensor_parallel_size 1 only)", DISTRIBUTED_EXECUTOR_BACKENDS)
     kv_transfer_config: dict | None = setting(
         None, "a KV connector, as vLLM takes it: a dict (JSON on the command line) such as "
               '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
@@ -169,6 +176,10 @@ class EngineConfig:
         self.seed = check_int("seed", self.seed, minimum=SEED_MIN, maximum=SEED_MAX)
         self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size,
                                               minimum=1)
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValidationError("distributed_executor_backend", "distributed_executor_backend 'uni' "
+                                  "runs one process: it cannot run tensor_parallel_size "
+                                  f"{self.tensor_parallel_size}; use 'mp' or 'ray'", "uni")
         self.max_trace_steps = check_int("max_trace_steps", self.max_trace_steps, minimum=1,
                                          optional=True)
         self.log_stats_interval = check_float("log_stats_interval", self.log_stats_interval,

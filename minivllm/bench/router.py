@@ -75,49 +75,65 @@ def _prefix_counts(url: str) -> tuple[float, float]:
 
 def router_benchmark(workload: Sequence[WorkloadRequest], model: str,
                      policies: Sequence[str] = ROUTING_POLICIES, num_replicas: int = 2,
-                     concurrency: int = 4, serve_argv: Sequence[str] = (), block_size: int = 16) -> list[dict]:
+                     concurrency: int = 4, serve_argv: Sequence[str] = (), block_size: int = 16,
+                     data_parallel_backend: str = "mp") -> list[dict]:
     """One row per policy, all on the same ``num_replicas`` replica processes of ``model``
     (``serve_argv``: more ``minivllm serve`` flags), whose prefix caches are emptied
     (``POST /reset_prefix_cache``) before each policy: every policy starts cold, and the
-    replicas load the model once."""
+    replicas load the model once. ``data_parallel_backend``: "mp", local processes;
+    "ray", Ray actors on the cluster ``ray.init()`` finds. Each row's "outputs" holds the
+    answers by request id (not printed)."""
+    from minivllm.entrypoints.data_parallel import LocalReplicas
+
+    argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
+            str(block_size), "--uvicorn-log-level", "warning", *serve_argv]
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    with tempfile.TemporaryDirectory() as logs:
+        if data_parallel_backend == "ray":
+            from minivllm.entrypoints.ray_replicas import RayReplicas
+
+            replicas = RayReplicas(num_replicas, argv, env=env)
+        else:
+            replicas = LocalReplicas(num_replicas, argv, log_dir=logs, env=env)
+        with replicas:
+            return _run_policies(replicas.urls, workload, model, policies, concurrency, block_size)
+
+
+def _run_policies(urls: Sequence[str], workload: Sequence[WorkloadRequest], model: str,
+                  policies: Sequence[str], concurrency: int, block_size: int) -> list[dict]:
     import httpx
 
-    from minivllm.entrypoints.data_parallel import LocalReplicas
     from minivllm.entrypoints.openai.api_server import ServerThread
     from minivllm.entrypoints.router_app import build_router_app
 
     rows, first = [], None
-    argv = ["--model", model, "--no-engine-process", "--log-stats-interval", "0", "--block-size",
-            str(block_size), "--uvicorn-log-level", "warning", *serve_argv]
-    with tempfile.TemporaryDirectory() as logs, \
-            LocalReplicas(num_replicas, argv, log_dir=logs, env={"VLLM_SERVER_DEV_MODE": "1"}) as local:
-        for url in local.urls:  # first-call costs, with a prompt shorter than a block: no cache entry
-            httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
-        for policy in policies:
-            for url in local.urls:
-                httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
-            before = [_prefix_counts(u) for u in local.urls]
-            app = build_router_app(local.urls, policy, model=model, block_size=block_size)
-            with ServerThread(app) as rt:
-                # in a thread of its own: a Jupyter kernel already runs an event loop here
-                with ThreadPoolExecutor(1) as pool:
-                    results, span = pool.submit(asyncio.run, _drive(rt.url, workload, concurrency)).result()
-            after = [_prefix_counts(u) for u in local.urls]
-            served = app.state.router.stats.requests
-            hits = sum(a[0] - b[0] for a, b in zip(after, before))
-            queries = sum(a[1] - b[1] for a, b in zip(after, before))
-            texts = {rid: r[1] for rid, r in results.items()}
-            first = first or texts
-            rows.append({"policy": policy, "hit rate": hits / queries if queries else 0.0,
-                         "mean TTFT s": sum(r[0] for r in results.values()) / len(results),
-                         "output tok/s": sum(r[2] for r in results.values()) / span,
-                         "per replica": "/".join(str(served[u]) for u in local.urls),
-                         "same outputs": texts == first})
+    for url in urls:  # first-call costs, with a prompt shorter than a block: no cache entry
+        httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=600)
+    for policy in policies:
+        for url in urls:
+            httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+        before = [_prefix_counts(u) for u in urls]
+        app = build_router_app(urls, policy, model=model, block_size=block_size)
+        with ServerThread(app) as rt:
+            # in a thread of its own: a Jupyter kernel already runs an event loop here
+            with ThreadPoolExecutor(1) as pool:
+                results, span = pool.submit(asyncio.run, _drive(rt.url, workload, concurrency)).result()
+        after = [_prefix_counts(u) for u in urls]
+        served = app.state.router.stats.requests
+        hits = sum(a[0] - b[0] for a, b in zip(after, before))
+        queries = sum(a[1] - b[1] for a, b in zip(after, before))
+        texts = {rid: r[1] for rid, r in results.items()}
+        first = first or texts
+        rows.append({"policy": policy, "hit rate": hits / queries if queries else 0.0,
+                     "mean TTFT s": sum(r[0] for r in results.values()) / len(results),
+                     "output tok/s": sum(r[2] for r in results.values()) / span,
+                     "per replica": "/".join(str(served[u]) for u in urls),
+                     "same outputs": texts == first, "outputs": texts})
     return rows
 
 
 def format_router_table(rows: Sequence[dict]) -> str:
-    return format_priority_table(rows)
+    return format_priority_table([{k: v for k, v in row.items() if k != "outputs"} for row in rows])
 
 
 def main(args: argparse.Namespace) -> int:

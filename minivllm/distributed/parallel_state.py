@@ -39,19 +39,22 @@ import torch.distributed as dist
 from minivllm.utils.system_utils import get_mp_context, with_environment
 
 HOST = "127.0.0.1"
-"""All ranks are on this machine (the design carries to several: give the store's host)."""
+"""Where the ranks meet when all are on this machine. Across machines (the Ray executor,
+:mod:`minivllm.executor.ray_distributed_executor`) each rank gives the address Ray reports
+for its node instead: rank 0's for the store, its own for its gloo device."""
 TIMEOUT = datetime.timedelta(seconds=120)
 """How long a collective (or joining the group) may wait for a rank before it fails."""
 
 
-def open_store(world_size: int) -> dist.TCPStore:
-    """Rank 0's rendezvous server on a free port (``store.port`` tells which)."""
-    return dist.TCPStore(HOST, 0, world_size, True, TIMEOUT, wait_for_workers=False)
+def open_store(world_size: int, host: str = HOST) -> dist.TCPStore:
+    """Rank 0's rendezvous server on a free port (``store.port`` tells which); it listens
+    on every interface, ``host`` is where rank 0 itself reaches it."""
+    return dist.TCPStore(host, 0, world_size, True, TIMEOUT, wait_for_workers=False)
 
 
-def connect_store(port: int, world_size: int) -> dist.TCPStore:
-    """A worker's connection to rank 0's store."""
-    return dist.TCPStore(HOST, port, world_size, False, TIMEOUT)
+def connect_store(port: int, world_size: int, host: str = HOST) -> dist.TCPStore:
+    """A worker's connection to rank 0's store, at rank 0's ``host``."""
+    return dist.TCPStore(host, port, world_size, False, TIMEOUT)
 
 
 def backend_for(device: torch.device) -> str:
@@ -88,8 +91,9 @@ class TensorParallelGroup:
 
 
 def init_tensor_parallel_group(store: dist.Store, rank: int, world_size: int,
-                               device: torch.device) -> TensorParallelGroup:
-    """Join the group (blocks until all ``world_size`` ranks have joined)."""
+                               device: torch.device, host: str = HOST) -> TensorParallelGroup:
+    """Join the group (blocks until all ``world_size`` ranks have joined). ``host``: the
+    address the other ranks reach this one's gloo connections on."""
     if backend_for(device) == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = TIMEOUT
@@ -97,9 +101,9 @@ def init_tensor_parallel_group(store: dist.Store, rank: int, world_size: int,
     else:
         options = dist.ProcessGroupGloo._Options()
         options._timeout = TIMEOUT
-        # The loopback device: resolving the machine's hostname may pick an interface
-        # that the ranks of one machine cannot reach each other on.
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+        # An explicit address (loopback on one machine): resolving the machine's hostname
+        # may pick an interface that the other ranks cannot reach this one on.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         pg = dist.ProcessGroupGloo(store, rank, world_size, options)
     return TensorParallelGroup(rank, world_size, pg)
 

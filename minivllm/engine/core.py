@@ -94,7 +94,8 @@ class EngineCore:
             config, kv_cache_bytes_per_token(self.model, self.kv_cache_dtype, config.tensor_parallel_size),
             model_max_len)
         self.max_model_len = size.max_model_len
-        self._wire(size, model_runner)
+        # A model loaded here by name can be loaded by name on another machine too.
+        self._wire(size, model_runner, config.model if model is None else None)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s). Maximum concurrency for "
             "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.%s",
@@ -103,7 +104,7 @@ class EngineCore:
             size.num_tokens / self.max_model_len, self.attention_backend, self.linear_backend,
             self.device, "" if self.quantization is None else " " + self.quantization.describe())
 
-    def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None) -> None:
+    def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None, model_name: str | None) -> None:
         config = self.config
         # The classes come through the build-it-yourself hook (config.COMPONENT_FIELDS):
         # the project's own by default, a learner's when one is given.
@@ -138,10 +139,16 @@ class EngineCore:
         if model_runner is None and config.tensor_parallel_size > 1:
             num_layers, num_kv_heads, head_dim = kv_cache_shape(self.model.config,
                                                                 config.tensor_parallel_size)
-            self.executor = MultiprocExecutor(
-                self.model, config.tensor_parallel_size, self.device, self.dtype,
-                self.attention_backend_cls, (size.num_blocks, config.block_size, num_kv_heads, head_dim),
-                num_layers, self.linear_plan, make_runner)
+            executor_args = (self.model, config.tensor_parallel_size, self.device, self.dtype,
+                             self.attention_backend_cls,
+                             (size.num_blocks, config.block_size, num_kv_heads, head_dim),
+                             num_layers, self.linear_plan, make_runner)
+            if config.distributed_executor_backend == "ray":  # imports Ray only now
+                from minivllm.executor.ray_distributed_executor import RayDistributedExecutor
+
+                self.executor = RayDistributedExecutor(*executor_args, model_name=model_name)
+            else:
+                self.executor = MultiprocExecutor(*executor_args)
         else:
             self.executor = UniProcExecutor(model_runner or make_runner())
         self.model_runner = self.executor.model_runner

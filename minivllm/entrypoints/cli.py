@@ -14,7 +14,7 @@ from minivllm.worker.model_loader import DEFAULT_MODEL
 
 GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "quantization",
                      "kv_cache_dtype", "device",
-                     "tensor_parallel_size", "speculative_config")
+                     "tensor_parallel_size", "distributed_executor_backend", "speculative_config")
 """The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
 SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")
 """Every engine setting, except the trace's length: a server keeps its last 1000 steps."""
@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.cache_salt_per_key:
             serve_argv += ["--cache-salt-per-key"]
         run_data_parallel(args.data_parallel_size, serve_argv, args.routing_policy, args.host, args.port,
-                          model=args.model, block_size=args.block_size, api_key=args.api_key,
+                          backend=args.data_parallel_backend, model=args.model, block_size=args.block_size, api_key=args.api_key,
                           tenants_file=args.tenants, max_request_bytes=args.max_request_bytes,
                           uvicorn_log_level=args.uvicorn_log_level)
         return 0
@@ -152,6 +152,10 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="start this many replicas (each its own engine and caches) on free local "
                           "ports, and a router in front of them on --port")
+    srv.add_argument("--data-parallel-backend", choices=("mp", "ray"), default="mp",
+                     help="with --data-parallel-size > 1: 'mp' starts the replicas as processes on "
+                          "this machine; 'ray' as Ray actors on the nodes of a Ray cluster, restarted "
+                          'when they die (pip install "minivllm[ray]")')
     srv.add_argument("--routing-policy", choices=ROUTING_POLICIES, default="least_outstanding",
                      help="with --data-parallel-size > 1: how the router picks a replica")
     add_engine_arguments(srv, SERVE_SETTINGS)

@@ -49,7 +49,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -104,7 +104,7 @@ class LocalReplicas:
                 if self.log_dir is not None:
                     out = open(os.path.join(self.log_dir, f"replica-{len(self.procs)}.log"), "wb")
                     self.logs.append(out)
-                self.procs.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out,
+                self.procs.append(subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out,
                                                    stderr=subprocess.STDOUT if out else None,
                                                    env={**os.environ, **self.env}))
                 self.urls.append(f"http://{self.host}:{port}")
@@ -167,12 +167,20 @@ def replica_tenants(tenants_file: str, folder: str) -> str:
 
 
 def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str, host: str, port: int,
-                      tenants_file: str | None = None, **router_kwargs: Any) -> None:
-    """``minivllm serve --data-parallel-size N``: N local replicas and the router in front
-    (holding the limits of ``tenants_file``'s tenants, if given)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // size)))
+                      tenants_file: str | None = None, backend: str = "mp", **router_kwargs: Any) -> None:
+    """``minivllm serve --data-parallel-size N``: N replicas and the router in front
+    (holding the limits of ``tenants_file``'s tenants, if given). ``backend``: "mp", local
+    processes; "ray", Ray actors (:mod:`minivllm.entrypoints.ray_replicas`), named
+    ``replica-i`` in the Ray namespace ``minivllm-serve-PORT``."""
     with tempfile.TemporaryDirectory() as folder:
         if tenants_file is not None:
             serve_argv = [*serve_argv, "--tenants", replica_tenants(tenants_file, folder)]
-        with LocalReplicas(size, serve_argv) as local:
-            run_router(local.urls, routing_policy, host, port, tenants_file=tenants_file, **router_kwargs)
+        if backend == "ray":
+            from minivllm.entrypoints.ray_replicas import RayReplicas
+
+            replicas: Any = RayReplicas(size, serve_argv, namespace=f"minivllm-serve-{port}")
+        else:
+            os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // size)))
+            replicas = LocalReplicas(size, serve_argv)
+        with replicas:
+            run_router(replicas.urls, routing_policy, host, port, tenants_file=tenants_file, **router_kwargs)

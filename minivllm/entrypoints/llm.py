@@ -66,6 +66,7 @@ class LLM:
         block_pool_cls: str | type = "minivllm.core.block_pool:BlockPool",
         sampler_cls: str | type = "minivllm.sample.sampler:Sampler",
         tensor_parallel_size: int = 1,
+        distributed_executor_backend: str = "mp",
         kv_transfer_config: dict | None = None,
         speculative_config: dict | None = None,
     ) -> None:
@@ -89,6 +90,7 @@ class LLM:
             log_stats_interval=log_stats_interval, scheduler_cls=scheduler_cls,
             kv_cache_manager_cls=kv_cache_manager_cls, block_pool_cls=block_pool_cls,
             sampler_cls=sampler_cls, tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
         )
         loaded = None if isinstance(model, str) else model

@@ -62,6 +62,7 @@ from torch import nn
 
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.parallel_state import (
+    HOST,
     TensorParallelGroup,
     connect_store,
     init_tensor_parallel_group,
@@ -136,6 +137,44 @@ def step_message(metadata: AttentionMetadata, input_ids: torch.Tensor,
     return message
 
 
+@dataclass
+class ShardWorker:
+    """What a worker keeps between steps: its shard of the model and of the KV cache,
+    and its place in the group."""
+    decoder: nn.Module
+    backend: object
+    linears: object
+    group: TensorParallelGroup
+    device: torch.device
+
+    def execute_model(self, message: dict) -> tuple[float, float, int]:
+        return run_step(message, self.decoder, self.backend, self.linears, self.group, self.device)
+
+
+def worker_device(args: WorkerArgs) -> torch.device:
+    """The worker's device: rank r's GPU (``cuda:r``) on CUDA, the CPU otherwise."""
+    torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device_type, args.rank) if args.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def start_shard_worker(args: WorkerArgs, device: torch.device, store, host: str = HOST) -> ShardWorker:
+    """Join the group, keep this rank's shard of ``args.model`` and allocate its KV cache
+    (the same for a worker process here and a Ray actor on another machine)."""
+    group = init_tensor_parallel_group(store, args.rank, args.world_size, device, host)
+    model, args.model = args.model, None
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    shard_model(model, group)
+    model = model.to(device=device, dtype=args.dtype)
+    kv_caches = [(torch.zeros(args.kv_cache_shape, dtype=args.dtype, device=device),
+                  torch.zeros(args.kv_cache_shape, dtype=args.dtype, device=device))
+                 for _ in range(args.num_layers)]
+    backend = get_attn_backend(args.attention_backend, kv_caches, device)
+    return ShardWorker(model.get_decoder(), backend, args.linear_plan.assign(model), group, device)
+
+
 def worker_main(conn) -> None:
     """A worker process's main function: get its :class:`WorkerArgs`, join the group,
     shard, then run steps."""
@@ -144,25 +183,10 @@ def worker_main(conn) -> None:
         args: WorkerArgs = conn.recv()
     except (EOFError, OSError):
         return  # rank 0 went before sending them
-    torch.set_num_threads(args.num_threads)
     try:
-        device = torch.device(args.device_type, args.rank) if args.device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
+        device = worker_device(args)
         conn.send(("loaded", None))
-        group = init_tensor_parallel_group(connect_store(args.port, args.world_size), args.rank,
-                                           args.world_size, device)
-        model = args.model
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        shard_model(model, group)
-        model = model.to(device=device, dtype=args.dtype)
-        decoder = model.get_decoder()
-        del args.model
-        kv_caches = [(torch.zeros(args.kv_cache_shape, dtype=args.dtype, device=device),
-                      torch.zeros(args.kv_cache_shape, dtype=args.dtype, device=device))
-                     for _ in range(args.num_layers)]
-        backend = get_attn_backend(args.attention_backend, kv_caches, device)
-        linears = args.linear_plan.assign(model)
+        worker = start_shard_worker(args, device, connect_store(args.port, args.world_size))
         conn.send(("ready", None))
     except BaseException as e:
         conn.send(("error", f"rank {args.rank} failed to start: {type(e).__name__}: {e}"))
@@ -179,7 +203,7 @@ def worker_main(conn) -> None:
         if message is None:
             return
         try:
-            conn.send(("ok", run_step(message, decoder, backend, linears, group, device)))
+            conn.send(("ok", worker.execute_model(message)))
         except BaseException as e:
             conn.send(("error", f"rank {args.rank}: {type(e).__name__}: {e}"))
             return
@@ -339,15 +363,20 @@ class MultiprocExecutor(Executor):
         except BaseException as e:  # the ranks are out of step: the group is done
             if self.closed:  # shut down before this step: nothing new to say
                 raise
-            time.sleep(0.1)  # a worker that died broke the all-reduce: let it be reaped
-            dead = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+            dead = self._dead_worker()
             self.shutdown(grace=0)
-            if dead and isinstance(e, Exception):  # say which worker, not only gloo's "reset by peer"
-                raise self._dead(dead[0]) from e
+            if dead is not None and isinstance(e, Exception):  # say which worker, not only gloo's "reset by peer"
+                raise dead from e
             raise
         output = runner.sample_step(step, logits)
         output.parallel = parallel
         return output
+
+    def _dead_worker(self) -> RuntimeError | None:
+        """After a failed step: the error naming a worker that died, if one did."""
+        time.sleep(0.1)  # a worker that died broke the all-reduce: let it be reaped
+        dead = [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+        return self._dead(dead[0]) if dead else None
 
     def start_step(self, message: dict[str, np.ndarray]) -> None:
         """Send the step's inputs to every worker (they start their forward at once)."""
@@ -362,12 +391,16 @@ class MultiprocExecutor(Executor):
         """After rank 0's own forward (``forward_time`` seconds): every rank's timing."""
         comm, num = self.group.comm_time, self.group.num_all_reduces
         computes, comms = [forward_time - comm], [comm]
-        for compute_s, comm_s, _ in self._wait_all("ok", STEP_TIMEOUT_S):
+        for compute_s, comm_s, _ in self._step_replies():
             computes.append(compute_s)
             comms.append(comm_s)
         timing = StepTiming(computes, comms, num)
         self.timings.append(timing)
         return timing
+
+    def _step_replies(self) -> list[tuple[float, float, int]]:
+        """Every worker's (compute s, communication s, all-reduces) for the step."""
+        return self._wait_all("ok", STEP_TIMEOUT_S)
 
     def shutdown(self, grace: float = 5.0) -> None:
         """Stop the workers (idempotent). After a failed step they may be stuck in an
