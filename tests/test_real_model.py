@@ -131,3 +131,16 @@ def test_two_conversions_at_once_keep_one_good_cache(tmp_path, monkeypatch, smol
     model_loader.convert_gguf(DEFAULT_MODEL, out)  # the second: its rename finds the folder there
     assert (out / "model.safetensors").read_bytes() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == [DEFAULT_MODEL]  # no folder left behind
+
+
+def test_the_generate_command_streams_the_chat_answer(smollm2, capsys):
+    """``minivllm generate`` (the README's first command, ``make demo``): the greedy chat
+    answer, as LLM.chat gives it (its --seed, None here, is the request's, not the engine's)."""
+    from minivllm.entrypoints.cli import main
+
+    question = "What is the capital of France?"
+    model, tokenizer = smollm2
+    want = LLM(model, tokenizer=tokenizer, log_stats_interval=None).chat(
+        [{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert main(["generate", question, "--max-tokens", "8"]) == 0  # no --seed: the README's form
+    assert capsys.readouterr().out == want[0].outputs[0].text + "\n"

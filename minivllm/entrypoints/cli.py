@@ -23,7 +23,8 @@ SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if nam
 def _generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    # Only its own engine settings: its --seed is the request's (sampling) seed, not the engine's.
+    llm = LLM(**{name: getattr(args, name) for name in GENERATE_SETTINGS})
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     messages = [{"role": "user", "content": args.prompt}]
     if args.raw:
