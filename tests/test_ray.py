@@ -94,13 +94,27 @@ def test_the_executor_backend_is_checked():
 
 def test_without_ray_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if not installed
-    with pytest.raises(ImportError, match=r'pip install "minivllm\[ray\]"'):
+    with pytest.raises(ValidationError, match=r'pip install "minivllm\[ray\]"') as e:
         LLM(make_tiny_model(), tensor_parallel_size=2, distributed_executor_backend="ray",
             log_stats_interval=None)
+    assert e.value.param == "distributed_executor_backend"
     from minivllm.entrypoints.ray_replicas import RayReplicas
 
-    with pytest.raises(ImportError, match=r"minivllm\[ray\]"):
+    with pytest.raises(ValidationError, match=r"minivllm\[ray\]") as e:
         RayReplicas(2, []).start()
+    assert e.value.param == "data_parallel_backend"
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--tensor-parallel-size", "3", "--distributed-executor-backend", "ray", "Hi"],
+    ["serve", "--data-parallel-size", "2", "--data-parallel-backend", "ray"],
+], ids=["generate", "serve"])
+def test_the_command_without_ray_says_which_extra(args):
+    code = ("import sys; sys.modules['ray'] = None; from minivllm.entrypoints.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert 'pip install "minivllm[ray]"' in out.stderr and "Traceback" not in out.stderr
 
 
 def test_nothing_but_the_ray_backend_imports_ray():

@@ -132,7 +132,7 @@ class RayReplicas:
 
     def start(self) -> RayReplicas:
         t0 = time.perf_counter()
-        ray = init_ray(self.namespace)
+        ray = init_ray(self.namespace, setting="data_parallel_backend")
         try:
             self.placement_group = ray.util.placement_group([{"CPU": self.num_cpus}] * self.n, strategy="SPREAD")
             wait_for_placement(self.placement_group, f"{self.n} replica(s) of {self.num_cpus} CPU(s)")

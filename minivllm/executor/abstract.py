@@ -129,6 +129,10 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         check_kv_cache_dtype(config.kv_cache_dtype, config.tensor_parallel_size)
     except ValueError as e:
         raise ValidationError("kv_cache_dtype", str(e), config.kv_cache_dtype) from None
+    if config.distributed_executor_backend == "ray" and config.tensor_parallel_size > 1:
+        from minivllm.executor.ray_utils import import_ray
+
+        import_ray()  # refused before the model loads, naming the extra, if Ray is missing
     loaded_here = model is None
     if loaded_here:
         model, tokenizer = load_model(config.model, dtype, device)

@@ -2,8 +2,8 @@
 
 Ray is an optional extra (``pip install "minivllm[ray]"``): nothing in minivllm imports
 it unless ``distributed_executor_backend="ray"`` or ``--data-parallel-backend ray`` asks,
-and then :func:`import_ray` says which extra is missing instead of a bare
-``ModuleNotFoundError``.
+and then :func:`import_ray` refuses that setting, naming the extra to install, instead
+of a bare ``ModuleNotFoundError``.
 
 **Which cluster.** :func:`init_ray` joins the cluster that ``ray start`` made on this
 machine, or the one ``RAY_ADDRESS`` names (``ray.init()``'s own rule); with neither, Ray
@@ -24,6 +24,8 @@ import logging
 import time
 from typing import Any
 
+from minivllm.exceptions import ValidationError
+
 logger = logging.getLogger("minivllm")
 
 EXTRA = 'pip install "minivllm[ray]"'
@@ -31,18 +33,20 @@ PLACEMENT_TIMEOUT_S = 60.0
 """How long to wait for Ray to find room for a placement group before saying so."""
 
 
-def import_ray() -> Any:
-    """The ``ray`` module, or an ImportError that names the extra to install."""
+def import_ray(setting: str = "distributed_executor_backend") -> Any:
+    """The ``ray`` module; without it, a ValidationError on ``setting`` (the option that
+    asked for Ray) that names the extra to install, as a bad value would be refused."""
     try:
         import ray
     except ImportError:
-        raise ImportError(f"the Ray backend needs Ray, an optional extra: {EXTRA}") from None
+        raise ValidationError(setting, f"{setting} 'ray' needs Ray, an optional extra: {EXTRA}",
+                              "ray") from None
     return ray
 
 
-def init_ray(namespace: str | None = None) -> Any:
+def init_ray(namespace: str | None = None, setting: str = "distributed_executor_backend") -> Any:
     """Connect to the Ray cluster (or start a local one) once per process; returns ``ray``."""
-    ray = import_ray()
+    ray = import_ray(setting)
     if not ray.is_initialized():
         t0 = time.perf_counter()
         # Workers' prints reach this process's terminal (log_to_driver) only where a person
