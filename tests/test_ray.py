@@ -10,7 +10,10 @@ processes behind the same router.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -38,16 +41,23 @@ def ray_cli() -> str:
 def cluster(tmp_path_factory):
     """A head and a second node (``ray start --block``: ended with SIGTERM, which stops
     each node's own processes and nothing else Ray may run on this machine)."""
-    ray = pytest.importorskip("ray", reason='Ray is an optional extra: pip install "minivllm[ray]"')
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip('Ray is an optional extra: pip install "minivllm[ray]"')
     port = free_port()
     temp = str(tmp_path_factory.mktemp("ray"))
+    address = f"127.0.0.1:{port}"
+    # For this process's ray.init(), the nodes and what they start. Token authentication
+    # on, with a token of the test's own, set alike everywhere as Ray asks: left to Ray
+    # 2.60's defaults, a token in ~/.ray (which any local ray.init() writes) turns it on for
+    # `ray start` but not for a client, which is then refused.
+    env = {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    import ray  # after the settings: Ray reads its authentication mode when first imported
     common = ["--block", "--num-cpus", "1", "--object-store-memory", str(100 * 2**20), "--disable-usage-stats"]
     logs = open(os.path.join(temp, "nodes.log"), "wb")
     nodes = [subprocess.Popen([ray_cli(), "start", "--head", "--port", str(port), "--include-dashboard", "false",
                                "--temp-dir", temp, *common], stdout=logs, stderr=subprocess.STDOUT)]
-    address = f"127.0.0.1:{port}"
-    old = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = address  # for this process's ray.init() and the servers it starts
     try:
         _wait_for_nodes(ray, address, 1, nodes)
         nodes.append(subprocess.Popen([ray_cli(), "start", "--address", address, "--resources",
@@ -63,10 +73,8 @@ def cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 node.kill()
         logs.close()
-        if old is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = old
+        for name, value in old.items():
+            os.environ.pop(name) if value is None else os.environ.update({name: value})
 
 
 def _wait_for_nodes(ray, address: str, n: int, procs, timeout: float = 120) -> None:
@@ -207,7 +215,8 @@ def test_two_ray_replicas_route_and_hit_as_local_processes_do(cluster, tiny_dir)
 def test_a_killed_replica_actor_loses_no_request_and_comes_back(cluster, tiny_dir):
     """Kill a replica's actor while it holds a request that has not begun streaming: the
     router retries it on the other replica, Ray restarts the actor (a fresh server at the
-    same URL) and the router's probe brings it back into rotation."""
+    same URL, with its tenants file written again on its node) and the router's probe
+    brings it back into rotation."""
     import httpx
     import openai
 
@@ -219,13 +228,14 @@ def test_a_killed_replica_actor_loses_no_request_and_comes_back(cluster, tiny_di
     argv = ["--model", tiny_dir, "--no-engine-process", "--log-stats-interval", "0", "--max-model-len", "512",
             "--uvicorn-log-level", "warning"]
     long = dict(max_tokens=450, temperature=0, extra_body={"ignore_eos": True})
-    with RayReplicas(2, argv, startup_timeout=120) as replicas:
+    tenants = json.dumps({"tenants": [{"name": "t", "api_key": "sk-t"}]})
+    with RayReplicas(2, argv, startup_timeout=120, files={"--tenants": tenants}) as replicas:
         before = replicas.where()
         assert len({node for node, _, _ in before}) == 2, before  # one replica on each node
         rt = ServerThread(build_router_app(replicas.urls, "round_robin", health_interval=0.5)).start()
         state = rt.app.state.router
         try:
-            client = openai.OpenAI(base_url=rt.url + "/v1", api_key="none", timeout=120, max_retries=0)
+            client = openai.OpenAI(base_url=rt.url + "/v1", api_key="sk-t", timeout=120, max_retries=0)
             model = client.models.list().data[0].id
             messages = [{"role": "user", "content": "Tell me a long story."}]
             result: dict = {}
@@ -246,7 +256,7 @@ def test_a_killed_replica_actor_loses_no_request_and_comes_back(cluster, tiny_di
             worker.join(120)
             assert "answer" in result, result.get("error")
             assert state.stats.retries == 1
-            direct = openai.OpenAI(base_url=replicas.urls[1] + "/v1", api_key="none", timeout=120)
+            direct = openai.OpenAI(base_url=replicas.urls[1] + "/v1", api_key="sk-t", timeout=120)
             want = direct.chat.completions.create(model=model, messages=messages, **long)
             assert result["answer"].choices[0].message.content == want.choices[0].message.content
 
@@ -258,8 +268,9 @@ def test_a_killed_replica_actor_loses_no_request_and_comes_back(cluster, tiny_di
             assert after[0] != before[0] and after[1] == before[1]  # a new actor and server for 0 only
             assert after[0][0] == before[0][0], "restarted in its bundle, on the same node"
             _wait_gone(before[0][1:])  # the old actor and its server
-            answer = httpx.post(replicas.urls[0] + "/v1/completions",
-                                json={"prompt": "Hi", "max_tokens": 3, "temperature": 0}, timeout=60)
+            ask = dict(json={"prompt": "Hi", "max_tokens": 3, "temperature": 0}, timeout=60)
+            assert httpx.post(replicas.urls[0] + "/v1/completions", **ask).status_code == 401  # keys on again
+            answer = httpx.post(replicas.urls[0] + "/v1/completions", headers={"Authorization": "Bearer sk-t"}, **ask)
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 3
         finally:
             rt.stop()

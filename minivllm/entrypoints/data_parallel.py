@@ -173,14 +173,15 @@ def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str,
     processes; "ray", Ray actors (:mod:`minivllm.entrypoints.ray_replicas`), named
     ``replica-i`` in the Ray namespace ``minivllm-serve-PORT``."""
     with tempfile.TemporaryDirectory() as folder:
-        if tenants_file is not None:
-            serve_argv = [*serve_argv, "--tenants", replica_tenants(tenants_file, folder)]
-        if backend == "ray":
+        keys = None if tenants_file is None else replica_tenants(tenants_file, folder)
+        if backend == "ray":  # the keys travel as text: the replica's node writes its own copy
             from minivllm.entrypoints.ray_replicas import RayReplicas
 
-            replicas: Any = RayReplicas(size, serve_argv, namespace=f"minivllm-serve-{port}")
+            with open(keys) if keys else contextlib.nullcontext() as f:
+                files = {"--tenants": f.read()} if f else {}
+            replicas: Any = RayReplicas(size, serve_argv, namespace=f"minivllm-serve-{port}", files=files)
         else:
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // size)))
-            replicas = LocalReplicas(size, serve_argv)
+            replicas = LocalReplicas(size, serve_argv if keys is None else [*serve_argv, "--tenants", keys])
         with replicas:
             run_router(replicas.urls, routing_policy, host, port, tenants_file=tenants_file, **router_kwargs)

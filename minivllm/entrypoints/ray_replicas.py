@@ -61,11 +61,17 @@ class ReplicaActor:
     """One replica: a ``minivllm serve`` child process on this actor's node."""
 
     def __init__(self, index: int, port: int, serve_argv: Sequence[str], env: Mapping[str, str],
-                 startup_timeout: float) -> None:
+                 startup_timeout: float, files: Mapping[str, str]) -> None:
         self.index, self.host, self.port = index, node_ip(), port
         self.log_path = os.path.join(tempfile.gettempdir(), f"minivllm-replica-{index}-{os.getpid()}.log")
         cmd = [sys.executable, "-c", "import sys; from minivllm.entrypoints.cli import main; sys.exit(main())",
                "serve", "--host", self.host, "--port", str(self.port), *serve_argv]
+        self.folder = tempfile.TemporaryDirectory(prefix="minivllm-replica-")  # this node's copies
+        for flag, text in files.items():
+            path = os.path.join(self.folder.name, flag.strip("-") + ".json")
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(text)
+            cmd += [flag, path]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=log,
                                          stderr=subprocess.STDOUT, env={**os.environ, **env})
@@ -114,16 +120,19 @@ class RayReplicas:
 
     def __init__(self, n: int, serve_argv: Sequence[str], num_cpus: int | None = None,
                  startup_timeout: float = 300.0, env: Mapping[str, str] | None = None,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, files: Mapping[str, str] | None = None) -> None:
         """``num_cpus``: each replica's share of a node (default: this machine's cores / n).
         ``namespace``: the Ray namespace the actors are named in (``replica-0``, ...), so that
-        another program on the cluster can find them with ``ray.get_actor``."""
+        another program on the cluster can find them with ``ray.get_actor``. ``files``:
+        ``{flag: text}``, each text written to a file on the replica's own node (readable by
+        its user only) and its path passed after the flag, e.g. ``{"--tenants": json}``: a
+        path on this machine means nothing on another."""
         if n < 1:
             raise ValidationError("data_parallel_size", f"data_parallel_size must be >= 1, got {n}", n)
         self.n, self.serve_argv, self.startup_timeout = n, list(serve_argv), startup_timeout
         self.num_cpus = num_cpus or max(1, available_cpus() // n)
         self.env = {"OMP_NUM_THREADS": str(self.num_cpus), **(env or {})}
-        self.namespace = namespace
+        self.namespace, self.files = namespace, dict(files or {})
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.placement_group = None
@@ -142,7 +151,7 @@ class RayReplicas:
             ports = ray.get([find_port.options(scheduling_strategy=b).remote() for b in bundles])
             actor_cls = ray.remote(num_cpus=self.num_cpus, max_restarts=MAX_RESTARTS)(ReplicaActor)
             self.actors = [actor_cls.options(name=f"replica-{i}", scheduling_strategy=bundles[i]).remote(
-                i, ports[i], self.serve_argv, self.env, self.startup_timeout) for i in range(self.n)]
+                i, ports[i], self.serve_argv, self.env, self.startup_timeout, self.files) for i in range(self.n)]
             try:
                 self.urls = ray.get([a.url.remote() for a in self.actors])
             except ray.exceptions.RayActorError as e:  # a server that did not start: say why
