@@ -8,13 +8,16 @@ the executor's business:
 * :class:`~minivllm.executor.multiproc_executor.MultiprocExecutor`: with tensor parallelism,
   rank 0's model runner here and ranks 1..T-1 in worker processes, each step's inputs
   broadcast to them around rank 0's forward pass.
+* :class:`~minivllm.executor.ray_distributed_executor.RayDistributedExecutor`: the same
+  step, with ranks 1..T-1 as Ray actors on any node of a Ray cluster
+  (``distributed_executor_backend="ray"``).
 
 So the model runner, the module learners read most, holds no distributed code. Before
-either exists, :func:`load_model_for` turns the config's names into things: the device,
+any of them exists, :func:`load_model_for` turns the config's names into things: the device,
 the dtype, the attention backend's class, the model and its linear-layer plan.
 
-In vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``), ``uniproc_executor.py`` and
-``multiproc_executor.py``.
+In vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``), ``uniproc_executor.py``,
+``multiproc_executor.py`` and ``ray_executor.py``.
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ class RayDistributedExecutor(MultiprocExecutor):
             raise
         self.startup_time = time.perf_counter() - t0
         """Seconds from connecting to Ray to every rank ready (the workers' loads included)."""
-        logger.info("tensor parallelism over Ray: %d ranks (gloo), workers on nodes %s, loaded in "
-                    "%s s; ready in %.1f s", t, [ip for ip, _, _ in self.placement],
+        logger.info("tensor parallelism over Ray: %d ranks (gloo) on %d node(s), workers at %s, loaded "
+                    "in %s s; ready in %.1f s", t, self.num_nodes, [ip for ip, _, _ in self.placement],
                     [round(s, 1) for s in load_s], self.startup_time)
 
     @property
