@@ -78,7 +78,8 @@ logger = logging.getLogger("minivllm")
 
 
 class RayWorkerWrapper:
-    """One worker rank, as a Ray actor (made remote by :func:`_remote_worker_class`)."""
+    """One worker rank, as a Ray actor (the class is made remote when the executor starts,
+    so that importing this module never imports Ray)."""
 
     def __init__(self) -> None:
         self.args: WorkerArgs | None = None

@@ -21,6 +21,7 @@ placement group, and the checks that the cluster can hold it).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -48,6 +49,7 @@ def init_ray(namespace: str | None = None, setting: str = "distributed_executor_
     """Connect to the Ray cluster (or start a local one) once per process; returns ``ray``."""
     ray = import_ray(setting)
     if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry unless asked (as vLLM)
         t0 = time.perf_counter()
         # Workers' prints reach this process's terminal (log_to_driver) only where a person
         # reads it; the engine's own logger says what matters.
