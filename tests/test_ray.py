@@ -176,6 +176,17 @@ def test_a_ray_worker_that_dies_fails_the_step_naming_its_rank(cluster):
         llm.close()
 
 
+def test_bench_tensor_parallel_over_ray(cluster):
+    """``minivllm bench tensor-parallel --distributed-executor-backend ray``'s comparison:
+    T=2 over Ray gives T=1's tokens, with every step's compute and all-reduces timed."""
+    from minivllm.bench.tensor_parallel import compare
+
+    rows = compare("tiny", make_tiny_model(), [1, 2], [[1, 2, 3, 4], [5, 6, 7]], 8,
+                   distributed_executor_backend="ray")
+    assert rows[1]["identical_to_T1"] is True
+    assert rows[1]["all_reduces_per_step"] == 2 * make_tiny_model().config.num_hidden_layers
+
+
 def _wait_gone(pids: list[int], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     for pid in pids:

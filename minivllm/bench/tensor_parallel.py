@@ -141,8 +141,9 @@ def main(args: argparse.Namespace) -> int:
                for i in range(n)]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     engine = dict(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  block_size=args.block_size)
-    print(f"{n} requests, {max_tokens} greedy tokens each, tensor_parallel_size in {sizes}")
+                  block_size=args.block_size, distributed_executor_backend=args.distributed_executor_backend)
+    print(f"{n} requests, {max_tokens} greedy tokens each, tensor_parallel_size in {sizes}, "
+          f"ranks started by {args.distributed_executor_backend!r}")
     compare(args.model, args.model, sizes, prompts, max_tokens, **engine)
     hidden = 576  # SmolLM2-135M's hidden size: a decode step all-reduces one row per request
     print("all-reduce alone (gloo over loopback, no model running), float32 values:")
