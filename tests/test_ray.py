@@ -14,9 +14,11 @@ import importlib.util
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -38,13 +40,14 @@ def ray_cli() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster():
     """A head and a second node (``ray start --block``: ended with SIGTERM, which stops
     each node's own processes and nothing else Ray may run on this machine)."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip('Ray is an optional extra: pip install "minivllm[ray]"')
     port = free_port()
-    temp = str(tmp_path_factory.mktemp("ray"))
+    # Short: Ray's socket paths below it must fit in 107 bytes (pytest's folders do not).
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     address = f"127.0.0.1:{port}"
     # For this process's ray.init(), the nodes and what they start. Token authentication
     # on, with a token of the test's own, set alike everywhere as Ray asks: left to Ray
@@ -73,6 +76,7 @@ def cluster(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 node.kill()
         logs.close()
+        shutil.rmtree(temp, ignore_errors=True)
         for name, value in old.items():
             os.environ.pop(name) if value is None else os.environ.update({name: value})
 
