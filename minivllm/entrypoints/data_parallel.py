@@ -21,11 +21,8 @@ In vLLM: ``vllm serve --data-parallel-size N`` starts its engine cores with
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,21 +35,7 @@ import httpx
 from minivllm.entrypoints.openai.tenants import load_tenants
 from minivllm.entrypoints.router_app import run_router
 from minivllm.exceptions import ValidationError
-from minivllm.utils.system_utils import available_cpus
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on now: the OS picks it (bind to port 0). Another program
-    could take it before the replica binds; on a loopback interface that race is rare."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """In the child before exec: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+from minivllm.utils.system_utils import available_cpus, die_with_parent, free_port
 
 
 def engine_argv(engine_kwargs: dict[str, Any]) -> list[str]:

@@ -48,10 +48,9 @@ from typing import Any
 
 import httpx
 
-from minivllm.entrypoints.data_parallel import die_with_parent, free_port
 from minivllm.exceptions import ValidationError
 from minivllm.executor.ray_utils import import_ray, init_ray, node_ip, wait_for_placement
-from minivllm.utils.system_utils import available_cpus
+from minivllm.utils.system_utils import available_cpus, die_with_parent, free_port
 
 MAX_RESTARTS = 100
 """How often Ray may restart one replica over a run (a crash loop ends after this many)."""

@@ -35,9 +35,12 @@ trade-offs in vLLM's ``docs/design/multiprocessing.md``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
@@ -123,3 +126,17 @@ def available_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now: the OS picks it (bind to port 0). Another program
+    could take it before the replica binds; on a loopback interface that race is rare."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """In the child before exec: the kernel sends SIGTERM when the parent dies, even by SIGKILL."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
