@@ -62,10 +62,10 @@ def cluster():
     nodes = [subprocess.Popen([ray_cli(), "start", "--head", "--port", str(port), "--include-dashboard", "false",
                                "--temp-dir", temp, *common], stdout=logs, stderr=subprocess.STDOUT)]
     try:
-        _wait_for_nodes(ray, address, 1, nodes)
+        _wait_for_nodes(ray, address, 1, nodes, logs.name)
         nodes.append(subprocess.Popen([ray_cli(), "start", "--address", address, "--resources",
                                        '{"second_node": 1}', *common], stdout=logs, stderr=subprocess.STDOUT))
-        _wait_for_nodes(ray, address, 2, nodes)
+        _wait_for_nodes(ray, address, 2, nodes, logs.name)
         yield address
     finally:
         ray.shutdown()
@@ -81,10 +81,12 @@ def cluster():
             os.environ.pop(name) if value is None else os.environ.update({name: value})
 
 
-def _wait_for_nodes(ray, address: str, n: int, procs, timeout: float = 120) -> None:
+def _wait_for_nodes(ray, address: str, n: int, procs, log: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        assert all(p.poll() is None for p in procs), "a `ray start` exited"
+        if any(p.poll() is not None for p in procs):  # the folder goes at teardown: show its log now
+            with open(log, errors="replace") as f:
+                pytest.fail("a `ray start` exited; the end of its output:\n" + "".join(f.readlines()[-30:]))
         try:
             if not ray.is_initialized():
                 ray.init(address=address, log_to_driver=False, include_dashboard=False)
