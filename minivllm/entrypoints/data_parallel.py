@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -160,8 +161,7 @@ def run_data_parallel(size: int, serve_argv: Sequence[str], routing_policy: str,
         if backend == "ray":  # the keys travel as text: the replica's node writes its own copy
             from minivllm.entrypoints.ray_replicas import RayReplicas
 
-            with open(keys) if keys else contextlib.nullcontext() as f:
-                files = {"--tenants": f.read()} if f else {}
+            files = {} if keys is None else {"--tenants": Path(keys).read_text()}
             replicas: Any = RayReplicas(size, serve_argv, namespace=f"minivllm-serve-{port}", files=files)
         else:
             os.environ.setdefault("OMP_NUM_THREADS", str(max(1, available_cpus() // size)))

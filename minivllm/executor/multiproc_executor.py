@@ -383,9 +383,13 @@ class MultiprocExecutor(Executor):
         if self.closed:
             raise RuntimeError("the tensor-parallel workers have been shut down (after close() or "
                                "a failed step); make a new LLM")
+        self._send_step(message)
+        self.group.reset_timing()
+
+    def _send_step(self, message: dict[str, np.ndarray]) -> None:
+        """The transport: a pipe per worker."""
         for conn in self.conns:
             conn.send(message)
-        self.group.reset_timing()
 
     def finish_step(self, forward_time: float) -> StepTiming:
         """After rank 0's own forward (``forward_time`` seconds): every rank's timing."""

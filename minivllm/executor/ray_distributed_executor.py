@@ -229,13 +229,10 @@ class RayDistributedExecutor(MultiprocExecutor):
                 continue
         return None
 
-    def start_step(self, message: dict[str, np.ndarray]) -> None:
-        if self.closed:
-            raise RuntimeError("the tensor-parallel workers have been shut down (after close() or "
-                               "a failed step); make a new LLM")
-        ref = self._ray.put(message)  # stored once, read by every worker
+    def _send_step(self, message: dict[str, np.ndarray]) -> None:
+        """The transport: one actor call per worker, the inputs stored once for all."""
+        ref = self._ray.put(message)
         self._pending = [a.execute_model.remote(ref) for a in self.actors]
-        self.group.reset_timing()
 
     def _step_replies(self) -> list[tuple[float, float, int]]:
         pending, self._pending = self._pending, []
