@@ -55,6 +55,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """What the KV cache may be stored in (``minivllm.worker.kv_cache_quant``): "auto" is the model's dtype."""
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """The dtypes the weights and KV cache may take (``minivllm.executor.abstract.DTYPES`` maps them to torch's)."""
+COMPILATION_MODES = {0: "NONE", 3: "VLLM_COMPILE"}
+"""vLLM's ``CompilationMode`` values minivllm runs: 0, the model as it is (eager); 3, the model
+compiled with torch.compile around an opaque attention op (``minivllm.compilation``)."""
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB: about 23k tokens of SmolLM2-135M in float32
 
 
@@ -144,6 +147,14 @@ class EngineConfig:
               '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
               '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
               'false; true: verify as many drafts as it measured to pay at this batch size)')
+    compilation_config: dict | int | None = setting(
+        None, "torch.compile, as vLLM takes it: a mode number (3, or -O3 style on the command line: "
+              '--compilation-config 3) or a dict such as {"mode": 3, "backend": "inductor"}; mode 3 '
+              "compiles the model around an opaque attention op (minivllm.compilation), mode 0 "
+              "runs it eagerly. Default (None): mode 0, unlike vLLM, because on a CPU compiling "
+              "costs about a minute at start for a gain of a few percent (README)")
+    enforce_eager: bool = setting(
+        False, "never compile: the model runs eagerly whatever compilation_config says (vLLM's flag)")
 
     def __post_init__(self) -> None:
         self.verify()
@@ -186,6 +197,9 @@ class EngineConfig:
                                               minimum=0, optional=True)
         if self.speculative_config is not None:  # checked here, read as a SpeculativeConfig
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).as_dict()
+        self.enforce_eager = check_bool("enforce_eager", self.enforce_eager)
+        if self.compilation_config is not None:  # checked here, read as a CompilationConfig
+            self.compilation_config = CompilationConfig.parse(self.compilation_config).as_dict()
         if self.kv_transfer_config is not None:  # checked here, read as a KVTransferConfig
             self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config).as_dict()
             if not self.enable_prefix_caching:
@@ -201,6 +215,52 @@ class EngineConfig:
                 raise ValidationTypeError(
                     name, f"{name} must be {names}a class, 'module:Class' or "
                           f"'path/to/file.py:Class', got {spec!r}", spec)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """torch.compile's settings, with vLLM's names (``vllm/config/compilation.py``).
+
+    vLLM also captures CUDA graphs (``cudagraph_mode``, ``cudagraph_capture_sizes``); a
+    CPU has no graphs to capture, and those keys are refused rather than ignored."""
+
+    mode: int = 0
+    """0 (NONE): eager; 3 (VLLM_COMPILE): compiled (:data:`COMPILATION_MODES`)."""
+    backend: str = "inductor"
+    """torch.compile's backend: "inductor" generates fused C++ (on a CPU) or Triton (on a
+    GPU) code; "eager" only traces the graph and runs it op by op (a check that the
+    model compiles, in seconds)."""
+
+    @classmethod
+    def parse(cls, value: Any) -> CompilationConfig:
+        """From vLLM's forms: a mode number, or a dict with "mode" (or its older name
+        "level") and "backend"; other keys are refused, naming the known ones."""
+        if isinstance(value, CompilationConfig):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = {"mode": value}
+        if not isinstance(value, dict):
+            raise ValidationTypeError(
+                "compilation_config", f"compilation_config must be a mode number (0 or 3) or a dict "
+                f'such as {{"mode": 3}}, got {value!r}', value)
+        check_keys("compilation_config", value, ("mode", "level", "backend"))
+        if "mode" in value and "level" in value:
+            raise ValidationError("compilation_config", "compilation_config: give mode or its older "
+                                  "name level, not both", value)
+        mode = check_int("mode", value.get("mode", value.get("level", 0)))
+        if mode not in COMPILATION_MODES:
+            raise ValidationError(
+                "compilation_config", f"compilation_config mode must be one of "
+                f"{', '.join(f'{k} ({v})' for k, v in COMPILATION_MODES.items())}, got {mode} (vLLM's "
+                "modes 1 and 2, stock torch.compile and trace-once, are not built here)", value)
+        backend = value.get("backend", "inductor")
+        if backend not in ("inductor", "eager"):
+            raise ValidationError("compilation_config", f"compilation_config backend must be "
+                                  f"'inductor' or 'eager', got {backend!r}", value)
+        return cls(mode, backend)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class EngineCore:
         self.model, self.tokenizer, self.device, self.dtype = loaded.model, loaded.tokenizer, loaded.device, loaded.dtype
         self.attention_backend_cls, self.attention_backend = loaded.attention_backend_cls, loaded.attention_backend
         self.linear_plan, self.linear_backend = loaded.linear_plan, loaded.linear_plan.name
+        self.compilation = loaded.compilation
+        """How the model is compiled (None: eager; ``minivllm.compilation``)."""
         self.eos_token_id = loaded.eos_token_id
         self.quantization = loaded.quantization
         """What ``quantization`` converted, and the weight bytes before and after (None: none)."""
@@ -98,11 +100,12 @@ class EngineCore:
         self._wire(size, model_runner, config.model if model is None else None)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %d tokens, %s). Maximum concurrency for "
-            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s.%s",
+            "%d tokens per request: %.2fx. Attention backend: %s, linear backend: %s, on %s, %s.%s",
             size.num_blocks, config.block_size, size.num_blocks * size.block_bytes / 2**20,
             size.num_tokens, self.kv_cache_dtype, self.max_model_len,
             size.num_tokens / self.max_model_len, self.attention_backend, self.linear_backend,
-            self.device, "" if self.quantization is None else " " + self.quantization.describe())
+            self.device, "eager" if self.compilation is None else f"compiled ({self.compilation.backend})",
+            "" if self.quantization is None else " " + self.quantization.describe())
 
     def _wire(self, size: KVCacheSize, model_runner: ModelRunner | None, model_name: str | None) -> None:
         config = self.config
@@ -133,7 +136,8 @@ class EngineCore:
             self.dtype, config.seed, linear_plan=self.linear_plan,
             sampler_cls=load_component("sampler_cls", config.sampler_cls),
             kv_cache_quantization=self.kv_cache_quantization,
-            **({} if self.kv_connector is None else {"kv_connector": self.kv_connector}))
+            **({} if self.kv_connector is None else {"kv_connector": self.kv_connector}),
+            **({} if self.compilation is None else {"compilation": self.compilation}))
         self.executor: Executor
         """Runs each step's model work: in this process, or over tensor-parallel workers."""
         if model_runner is None and config.tensor_parallel_size > 1:

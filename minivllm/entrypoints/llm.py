@@ -69,6 +69,8 @@ class LLM:
         distributed_executor_backend: str = "mp",
         kv_transfer_config: dict | None = None,
         speculative_config: dict | None = None,
+        compilation_config: dict | int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -92,6 +94,7 @@ class LLM:
             sampler_cls=sampler_cls, tensor_parallel_size=tensor_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
+            compilation_config=compilation_config, enforce_eager=enforce_eager,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)

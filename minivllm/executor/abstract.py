@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from minivllm.config import DTYPE_NAMES, EngineConfig, load_component
+from minivllm.config import DTYPE_NAMES, CompilationConfig, EngineConfig, load_component
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.tensor_parallel import check_tensor_parallel_size
 from minivllm.exceptions import ValidationError
@@ -39,7 +39,7 @@ from minivllm.worker.kv_cache_quant import (
     check_kv_cache_dtype,
 )
 from minivllm.worker.linear import choose_linear_plan
-from minivllm.worker.linear_plan import LinearPlan, resolve_linear_backend
+from minivllm.worker.linear_plan import STOCK_PLAN, LinearPlan, resolve_linear_backend
 from minivllm.worker.model_loader import load_model
 from minivllm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from minivllm.worker.quantization import (
@@ -106,6 +106,8 @@ class LoadedModel:
     """What ``quantization`` converted (None: the weights as loaded)."""
     kv_cache: KVCacheQuantization | None = None
     """An 8-bit KV cache's dtype and scales (None: the cache in the model's dtype)."""
+    compilation: CompilationConfig | None = None
+    """How the model is compiled (None: it runs eagerly)."""
 
 
 def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
@@ -132,6 +134,7 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         check_kv_cache_dtype(config.kv_cache_dtype, config.tensor_parallel_size)
     except ValueError as e:
         raise ValidationError("kv_cache_dtype", str(e), config.kv_cache_dtype) from None
+    compilation = compilation_for(config, linear_backend)
     if config.distributed_executor_backend == "ray" and config.tensor_parallel_size > 1:
         from minivllm.executor.ray_utils import import_ray
 
@@ -159,10 +162,33 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
             kv_cache = calibrate_kv_scales(model, config.kv_cache_dtype, calibration)
     # "auto" becomes a plan measured on this machine (or read from its cache), for the
     # layers still in floating point.
+    # A compiled model's products are the calls inductor chooses: no plan.
+    plan = STOCK_PLAN if compilation else choose_linear_plan(linear_backend, model)
     return LoadedModel(model, tokenizer, device, dtype, backend_cls,
                        getattr(backend_cls, "name", None) or backend_cls.__name__,
-                       choose_linear_plan(linear_backend, model), eos_token_id(model, tokenizer),
-                       report, kv_cache)
+                       plan, eos_token_id(model, tokenizer), report, kv_cache, compilation)
+
+
+def compilation_for(config: EngineConfig, linear_backend: str) -> CompilationConfig | None:
+    """The compilation the settings ask for (None: eager), refusing, naming the field, what
+    the compiled path does not run: tensor parallelism (its all-reduces sit between the
+    layers), a KV connector (its per-layer hooks are Python objects) and a fixed linear
+    library (the plan swaps the layers' class at run time, which a graph cannot follow)."""
+    if config.enforce_eager or config.compilation_config is None:
+        return None
+    compilation = CompilationConfig.parse(config.compilation_config)
+    if compilation.mode == 0:
+        return None
+    for field, bad, why in (
+            ("tensor_parallel_size", config.tensor_parallel_size > 1, "tensor parallelism"),
+            ("kv_transfer_config", config.kv_transfer_config is not None, "a KV connector"),
+            ("linear_backend", linear_backend not in ("auto", "torch"),
+             f"linear_backend {linear_backend!r} (a compiled model's products are the library calls "
+             "inductor chooses; use 'auto' or 'torch')")):
+        if bad:
+            raise ValidationError(field, f"compilation_config mode {compilation.mode} does not run with {why}; "
+                                  "set enforce_eager=True or compilation_config=0", getattr(config, field))
+    return compilation
 
 
 def eos_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> int | None:

@@ -35,6 +35,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from minivllm.compilation import unified_attention
 from minivllm.config import BACKENDS
 from minivllm.kernels import reference
 from minivllm.kernels.triton_utils import interpreting, triton_available
@@ -213,16 +214,23 @@ def paged_attention_forward(
     value ``[1, num_kv_heads, num_tokens, head_dim]``: the whole flat batch is one
     "sequence" of ``num_tokens``. Returns ``[1, num_tokens, num_heads, head_dim]``.
     With a KV connector (``minivllm.distributed.kv_transfer``) the layer waits for its
-    loaded blocks first and hands its cache to the connector to save after.
+    loaded blocks first and hands its cache to the connector to save after. Called with
+    none of the three (the compiled model), it goes through the opaque op
+    :func:`minivllm.compilation.unified_attention`.
     """
+    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    layer = module.layer_idx
+    if attn_backend is None and attn_metadata is None and kv_connector is None:
+        # The compiled model (minivllm.compilation): one opaque op, which finds the backend
+        # and the step's metadata in the forward context the runner set around the call.
+        out = unified_attention(q, key[0].transpose(0, 1), value[0].transpose(0, 1), layer, scale)
+        return out.unsqueeze(0), None
     if attn_backend is None or attn_metadata is None:
         raise RuntimeError(
             "the minivllm attention implementation needs attn_backend and attn_metadata; "
             "call the model through minivllm's ModelRunner"
         )
-    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    layer = module.layer_idx
     if kv_connector is not None:
         kv_connector.wait_for_layer_load(layer)
     out = attn_backend.forward(layer, q, key[0].transpose(0, 1), value[0].transpose(0, 1),

@@ -24,6 +24,7 @@ one (``minivllm.executor.multiproc_executor``).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from minivllm.compilation import compile_model, forward_context, warm_up
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.scheduler import SchedulerOutput
 from minivllm.distributed.kv_transfer.base import KVConnectorOutput
@@ -49,8 +51,11 @@ from minivllm.worker.kv_cache_quant import KVCacheQuantization
 from minivllm.worker.linear_plan import STOCK_PLAN, LinearPlan, planned_linear
 
 if TYPE_CHECKING:
+    from minivllm.config import CompilationConfig
     from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1, KVConnectorMetadata
     from minivllm.executor.multiproc_executor import StepTiming
+
+logger = logging.getLogger("minivllm")
 
 
 def kv_cache_shape(config, tensor_parallel_size: int = 1) -> tuple[int, int, int]:
@@ -141,8 +146,10 @@ class ModelRunner:
         num_kv_heads: int | None = None,
         kv_cache_quantization: KVCacheQuantization | None = None,
         kv_connector: KVConnectorBase_V1 | None = None,
+        compilation: CompilationConfig | None = None,
     ) -> None:
-        """``num_kv_heads``: the KV heads this runner's cache holds, by default all of
+        """``compilation``: compile the model (``minivllm.compilation``; None: eager).
+        ``num_kv_heads``: the KV heads this runner's cache holds, by default all of
         the model's. With tensor parallelism ``model`` is one rank's shard, and the cache
         holds that rank's share of the heads. ``kv_cache_quantization``: an 8-bit cache's
         dtype and per-layer scales (None: the cache in ``dtype``). ``kv_connector``: its
@@ -173,6 +180,14 @@ class ModelRunner:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_caches)
+        self.compiled = None
+        """The compiled forward pass (None: the model runs eagerly)."""
+        self.compile_seconds = 0.0
+        if compilation is not None:
+            self.compiled = compile_model(model, compilation)
+            self.compile_seconds = warm_up(self._dummy_forward)
+            logger.info("Compiled the model (torch.compile, backend %s) in %.1f s: one graph for one "
+                        "token, one for any number", compilation.backend, self.compile_seconds)
         self.sampler = sampler_cls(seed)
         self.rejection_sampler = RejectionSampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -283,6 +298,8 @@ class ModelRunner:
     def forward(self, step: StepInputs) -> torch.Tensor:
         """The forward pass: logits at the kept rows only, ``[rows, vocab]``."""
         keep = step.logits_indices + [row[1] for row in step.sampling.prompt_rows]
+        if self.compiled is not None:
+            return self._compiled_forward(step.inputs, keep)
         connector = self.kv_connector
         if connector is not None:  # loads before the forward pass, saves layer by layer in it
             connector.bind_connector_metadata(step.kv_connector_metadata)
@@ -301,6 +318,34 @@ class ModelRunner:
             if connector is not None:
                 connector.clear_connector_metadata()
         return out.logits[0]
+
+    def _compiled_forward(self, inputs: dict, keep: list[int]) -> torch.Tensor:
+        """The compiled model over this step, its attention through the forward context.
+        The kept rows are padded to at least two (the last repeated) so that one row never
+        specialises into a graph of its own (``minivllm.compilation``)."""
+        padded = keep + keep[-1:] * (2 - len(keep))
+        with forward_context(self.attn_backend, inputs["attn_metadata"]):
+            out = self.compiled(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
+                                use_cache=False,
+                                logits_to_keep=torch.tensor(padded, dtype=torch.int64, device=self.device))
+        return out.logits[0, :len(keep)]
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """A forward pass of one made-up sequence of ``num_tokens`` (the warm-up): its keys and
+        values are not stored (slot -1) and it attends over block 0, whatever is there. Its
+        inputs are made as :meth:`prepare_inputs` makes a step's (new tensors, not views, outside
+        inference mode): the compiled graphs check that too, and would be traced again."""
+        dev, bs = self.device, self.block_size
+        metadata = self.attn_backend.build_metadata(AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((1, -(-num_tokens // bs)), dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev)))
+        inputs = dict(input_ids=torch.zeros((1, num_tokens), dtype=torch.int64, device=dev),
+                      position_ids=torch.tensor([list(range(num_tokens))], dtype=torch.int64, device=dev),
+                      attn_metadata=metadata)
+        with torch.inference_mode():
+            self._compiled_forward(inputs, [num_tokens - 1])
 
     @torch.inference_mode()
     def sample_step(self, step: StepInputs, logits: torch.Tensor) -> ModelRunnerOutput:
