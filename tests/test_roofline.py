@@ -70,6 +70,24 @@ def test_roofline_benchmark_on_a_tiny_engine():
     assert "of peak" in report.table() and len(report.table().splitlines()) == 5
 
 
+def test_roofline_puts_the_compiled_engines_steps_beside_the_eager_ones():
+    model = make_tiny_model("llama", vocab_size=512)
+    eager = LLMEngine(EngineConfig(log_stats_interval=None, max_num_batched_tokens=64), model, None)
+    compiled = LLMEngine(EngineConfig(log_stats_interval=None, max_num_batched_tokens=64,
+                                      compilation_config={"mode": 3, "backend": "eager"}), model, None)
+    report = roofline_benchmark(eager, None, gemm_seconds=0.01, bandwidth_bytes=1 << 22, others={"compiled": compiled},
+                                prefill=32, decode_batches=(1, 4), context=8, repeats=1, decode_steps=2)
+    assert [(p.name, p.setting) for p in report.points] == [
+        (name, setting) for setting in ("eager", "compiled")
+        for name in ("prefill, 32 tokens", "decode, batch 1, context 8", "decode, batch 4, context 8")]
+    # The same prefill step: the same FLOPs and bytes, whatever ran it (a decode point is
+    # the fastest of its steps, which may be a token longer on one engine than the other).
+    assert (report.points[0].flops, report.points[0].bytes) == (report.points[3].flops, report.points[3].bytes)
+    assert len(compiled.trace.steps) > 0 and " compiled " in report.table()
+    legend = [t.get_text() for t in plot_roofline(report).axes[0].get_legend().get_texts()]
+    assert sum("(compiled)" in t for t in legend) == 3 and sum("(eager)" in t for t in legend) == 3
+
+
 def test_plot_roofline_draws_the_ceilings_and_one_point_per_step():
     report = RooflineReport("Test CPU", 2, peak_flop_s=100e9, read_bytes_s=10e9, copy_bytes_s=8e9,
                             points=[RooflinePoint("decode, batch 1", 0.3e9, 0.54e9, 0.06),

@@ -51,7 +51,7 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
     "speculative": (speculative.main, ("block_size", "max_num_batched_tokens", "num_requests", "seed",
                                        "workloads", "spec_rows")),
     "priority": (priority.main, (*ENGINE, "num_requests", "seed", "num_interactive", "interactive_rate")),
-    "roofline": (roofline.main, (*ENGINE, "num_requests", "seed", "figures")),
+    "roofline": (roofline.main, (*ENGINE, "num_requests", "seed", "roofline_settings", "figures")),
     "fit-simulator": (simulate.fit_main, ("num_requests", "out", "figures")),
     "calibrate": (simulate.calibrate_main, ("num_requests",)),
     "simulate": (simulate.simulate_main, (*ENGINE, "num_requests", "seed", "rate")),
@@ -91,6 +91,9 @@ OPTIONS: dict[str, dict] = {  # the benchmarks' own options (not engine settings
     "num_interactive": dict(type=int, default=12, help="interactive chat requests in the steady stream"),
     "interactive_rate": dict(type=float, default=1.0,
                              help="interactive requests per second, while the batch job runs"),
+    "roofline_settings": dict(default="eager,compiled",
+                              help="how the model runs, each measured on the same steps: 'eager', then "
+                                   "'compiled' (compilation_config=3, about a minute to compile)"),
     "figures": dict(default=str(FIGURES), help="folder for the figures ('' for none)"),
     "concurrencies": dict(default="1,8,32", help="client concurrencies"),
     "serve_rates": dict(default="", help="a request-rate sweep, Poisson arrivals at each rate in requests "

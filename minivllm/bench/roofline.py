@@ -96,6 +96,10 @@ class ModelCost:
         return flops, nbytes
 
 
+MARKERS = {"eager": "o", "compiled": "s"}
+"""How :func:`plot_roofline` marks each setting's points."""
+
+
 @dataclass
 class RooflinePoint:
     """One kind of step: its FLOPs, least bytes and seconds (summed over ``steps`` steps)."""
@@ -108,6 +112,8 @@ class RooflinePoint:
     samples: tuple[float, ...] = ()
     """Seconds of every step of this kind that ran (:func:`step_points` keeps the fastest
     as ``seconds``); empty for a point measured once."""
+    setting: str = "eager"
+    """How the engine ran the model: "eager", or "compiled" (``compilation_config``)."""
 
     @property
     def timing(self) -> Timing:
@@ -147,10 +153,10 @@ class RooflineReport:
         return min(self.peak_flop_s, intensity * self.bandwidth)
 
     def table(self) -> str:
-        lines = [f"{'step':<34} {'GFLOP':>8} {'ms/step':>9} {'GFLOP/s':>8} {'FLOP/B':>7} "
+        lines = [f"{'step':<34} {'setting':<9} {'GFLOP':>8} {'ms/step':>9} {'GFLOP/s':>8} {'FLOP/B':>7} "
                  f"{'of peak':>8} {'of roof':>8}"]
         for p in self.points:
-            lines.append(f"{p.name:<34} {p.flops / p.steps / 1e9:>8.2f} {p.seconds / p.steps * 1e3:>9.1f} "
+            lines.append(f"{p.name:<34} {p.setting:<9} {p.flops / p.steps / 1e9:>8.2f} {p.seconds / p.steps * 1e3:>9.1f} "
                          f"{p.flop_s / 1e9:>8.1f} {p.intensity:>7.1f} {p.flop_s / self.peak_flop_s:>8.0%} "
                          f"{p.flop_s / self.bound(p.intensity):>8.0%}")
         return "\n".join(lines)
@@ -209,7 +215,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> None:
 
 
 def step_points(engine: LLMEngine, cost: ModelCost, prefill: int = 512, decode_batches: Sequence[int] = (1, 32),
-                context: int = 256, repeats: int = 3, decode_steps: int = 8, seed: int = 0) -> list[RooflinePoint]:
+                context: int = 256, repeats: int = 3, decode_steps: int = 8, seed: int = 0,
+                setting: str = "eager") -> list[RooflinePoint]:
     """Single steps on a running engine: a ``prefill``-token prompt in one step (best of
     ``repeats``), and decode steps of each batch size with every sequence ``context``
     tokens long (the fastest of ``decode_steps`` steps in which exactly that many
@@ -228,7 +235,8 @@ def step_points(engine: LLMEngine, cost: ModelCost, prefill: int = 512, decode_b
             raise RuntimeError(f"no step of the kind {name!r} ran; raise max_num_batched_tokens or max_num_seqs")
         s = min(steps, key=lambda s: s.duration)
         flops, nbytes = cost.step(s, engine.trace)
-        return RooflinePoint(name, flops, nbytes, s.duration, samples=tuple(s.duration for s in steps))
+        return RooflinePoint(name, flops, nbytes, s.duration, samples=tuple(s.duration for s in steps),
+                             setting=setting)
 
     points = []
     engine.trace.clear()
@@ -259,9 +267,12 @@ def workload_point(engine: LLMEngine, cost: ModelCost, workload) -> RooflinePoin
 
 
 def roofline_benchmark(engine: LLMEngine, workload=None, gemm_seconds: float = 0.3,
-                       bandwidth_bytes: int = 1 << 29, **step_kwargs) -> RooflineReport:
+                       bandwidth_bytes: int = 1 << 29, others: dict[str, LLMEngine] | None = None,
+                       **step_kwargs) -> RooflineReport:
     """Measure the machine's two ceilings, then the engine's steps (:func:`step_points`,
-    which takes ``step_kwargs``) and ``workload``, when given, then the ceilings again.
+    which takes ``step_kwargs``) and ``workload``, when given, the same steps on each of
+    ``others`` (setting name -> an engine over the same model, e.g. ``"compiled"``), then
+    the ceilings again.
     The ceilings are the best of both measurements: a machine shared with other programs
     is slower some of the time, and a fraction of a ceiling measured in a slow moment
     would flatter the engine."""
@@ -273,6 +284,8 @@ def roofline_benchmark(engine: LLMEngine, workload=None, gemm_seconds: float = 0
     points = step_points(engine, cost, **step_kwargs)
     if workload is not None:
         points.append(workload_point(engine, cost, workload))
+    for setting, other in (others or {}).items():
+        points += step_points(other, cost, setting=setting, **step_kwargs)
     gemm += gemm_peak(engine.model, seconds=gemm_seconds)
     read2, copy2 = memory_bandwidth(bandwidth_bytes)
     return RooflineReport(cpu_description()["cpu"], torch.get_num_threads(), max(g["flop_s"] for g in gemm),
@@ -308,9 +321,11 @@ def plot_roofline(report: RooflineReport, ax=None):
             fontsize=8, ha="right", va="bottom")
     ax.axvline(ridge, color="gray", ls=":", lw=1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for p, c in zip(report.points, colors):
-        ax.plot(p.intensity, p.flop_s / 1e9, "o", color=c, ms=8,
-                label=f"{p.name}: {p.flop_s / report.peak_flop_s:.0%} of peak")
+    kinds = list(dict.fromkeys(p.name for p in report.points))  # one color per kind of step
+    for p in report.points:  # one marker per setting: the same step eager and compiled side by side
+        setting = "" if p.setting == "eager" and len({q.setting for q in report.points}) == 1 else f" ({p.setting})"
+        ax.plot(p.intensity, p.flop_s / 1e9, MARKERS.get(p.setting, "D"), color=colors[kinds.index(p.name) % len(colors)],
+                ms=8, label=f"{p.name}{setting}: {p.flop_s / report.peak_flop_s:.0%} of peak")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte of weights and KV cache)")
     ax.set_ylabel("GFLOP/s achieved")
     ax.set_ylim(top=report.peak_flop_s / 1e9 * 2)
@@ -322,11 +337,19 @@ def plot_roofline(report: RooflineReport, ax=None):
 def main(args: argparse.Namespace) -> int:
     """``minivllm bench roofline``: the machine's ceilings, then the engine's steps and
     the throughput workload against them."""
+    settings = [x.strip() for x in args.roofline_settings.split(",") if x.strip()]
+    if not settings or settings[0] != "eager" or set(settings) - set(MARKERS):
+        raise SystemExit(f"--roofline-settings: 'eager' first, then any of {sorted(MARKERS)}; got {args.roofline_settings!r}")
     engine = LLMEngine(EngineConfig(model=args.model, log_stats_interval=None, **engine_settings(args)))
+    others = {}
+    if "compiled" in settings:  # the same model object, compiled (minivllm.compilation)
+        config = EngineConfig(model=args.model, log_stats_interval=None, compilation_config=3, **engine_settings(args))
+        others["compiled"] = LLMEngine(config, engine.model, engine.tokenizer)
+        print(f"compiled the model in {others['compiled'].model_runner.compile_seconds:.1f} s")
     workload = chat_workload(load_tokenizer(args.model), args.num_requests or 32, args.seed)
-    report = roofline_benchmark(engine, workload)
-    print(f"{report.cpu}, torch {torch.__version__}, {report.threads} threads; linear backend: "
-          f"{report.linear_backend}")
+    report = roofline_benchmark(engine, workload, others=others)
+    linear = f"{report.linear_backend} (eager), torch (compiled)" if others else report.linear_backend
+    print(f"{report.cpu}, torch {torch.__version__}, {report.threads} threads; linear backend: {linear}")
     best: dict[tuple[str, int], dict[str, float]] = {}
     for g in report.gemm:  # the better of the two measurements of each
         rates = best.setdefault((g["shape"], g["rows"]), {})
