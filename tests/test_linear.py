@@ -22,6 +22,7 @@ from minivllm.worker.linear_autotune import (
     choose_backends,
     measure_linear_backends,
     noisy,
+    prefer_one_library,
 )
 from minivllm.worker.linear_plan import (
     FORWARD,
@@ -145,6 +146,26 @@ def test_choice_keeps_the_fastest_per_row_count():
     flipped = {n: {"torch": r["onednn"], "onednn": r["torch"]} for n, r in rates.items()}
     assert choose_backends(flipped).backends == ("onednn", "torch", "torch", "torch")
     assert choose_backends({}) == LinearChoice((1,), ("torch",))  # nothing measured: the stock path
+
+
+def test_one_library_nearly_as_fast_everywhere_is_preferred_to_a_patchwork():
+    # Each row count's winner by a few percent, as one noisy second of measuring gives.
+    close = {1: {"torch": [10, 10, 10], "onednn": [10.4, 10.4, 10.4], "transposed": [10.3, 10.3, 10.3]},
+             16: {"torch": [40, 40, 40], "onednn": [40, 40, 40], "transposed": [41.9, 41.9, 41.9]},
+             512: {"torch": [100, 100, 100], "onednn": [103, 103, 103], "transposed": [90, 90, 90]}}
+    mixed = choose_backends(close)
+    assert mixed.backends == ("onednn", "transposed", "onednn")
+    one, why = prefer_one_library(close, mixed)
+    # oneDNN is at worst 5% slower (16 rows) and fastest on average: it serves every row count.
+    assert one == LinearChoice((1, 16, 512), ("onednn",) * 3)
+    assert why.startswith("onednn alone, within 5%") and "at 16 rows" in why
+    # A library that wins by a clear margin somewhere keeps the mix, and says which came closest.
+    far = {**close, 16: {"torch": [40] * 3, "onednn": [40] * 3, "transposed": [60] * 3},
+           512: {"torch": [100] * 3, "onednn": [150] * 3, "transposed": [90] * 3}}
+    kept, why = prefer_one_library(far, choose_backends(far))
+    assert kept == choose_backends(far) and why.startswith("mixed, because every single library loses more than 5%")
+    # One library already: nothing to decide.
+    assert prefer_one_library({1: {"torch": [1], "onednn": [2]}}, LinearChoice((1,), ("onednn",)))[0].backends == ("onednn",)
 
 
 def test_choice_compares_backends_within_a_round():

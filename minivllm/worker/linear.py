@@ -23,7 +23,9 @@ as ``torch.backends.cudnn.benchmark`` and Triton's autotuner do
    of time, a few times over, each candidate going first in turn; the vocabulary
    projection, one huge matrix that only sees the sampling rows, is timed on its own;
 2. per row count, keep the library that was fastest against the others in the same
-   rounds (:func:`choose_backends`): a :class:`LinearPlan`.
+   rounds (:func:`choose_backends`), unless one library is within 5% of that choice at
+   every row count, which is then used for all (:func:`prefer_one_library`): a
+   :class:`LinearPlan`.
    During a step every layer looks at the rows it was given and runs through the
    library chosen nearest that row count;
 3. store the plan on disk (``$MINIVLLM_CACHE/linear_plans.json``), keyed by what the
@@ -79,6 +81,7 @@ from minivllm.worker.linear_autotune import (
     cpu_description,
     measure_linear_backends,
     noisy,
+    prefer_one_library,
 )
 from minivllm.worker.linear_plan import (
     STOCK_PLAN,
@@ -91,7 +94,7 @@ from minivllm.worker.linear_plan import (
 logger = logging.getLogger("minivllm")
 
 PLAN_FILE = "linear_plans.json"
-MEASUREMENT_METHOD = 2
+MEASUREMENT_METHOD = 3
 """Part of the cache key: plans measured by an earlier way of measuring are not reused."""
 
 
@@ -148,7 +151,8 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
     if entry is not None:
         plan = LinearPlan(*(LinearChoice(tuple(entry[g]["rows"]), tuple(entry[g]["backends"]))
                             for g in ("layers", "head")))
-        logger.info("linear_backend auto: %s (measured %s, cached in %s)", plan.name, entry["measured"], path)
+        logger.info("linear_backend auto: %s (%s; measured %s, cached in %s)", plan.name, entry.get("why", ""),
+                    entry["measured"], path)
         return plan
     t0 = time.perf_counter()
     backends = candidate_backends(param.device, param.dtype)
@@ -157,9 +161,12 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
         again = measure_linear_backends(model, backends, budget_s=budget_s)
         rates, disturbed = min((rates, disturbed), (again, noisy(again)), key=lambda rd: len(rd[1]))
     seconds = time.perf_counter() - t0
-    plan = LinearPlan(choose_backends(rates["layers"]), choose_backends(rates.get("head", {})))
-    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of each): %s. Chose: %s.",
-                seconds, _describe(rates), plan.name)
+    layers, why_layers = prefer_one_library(rates["layers"], choose_backends(rates["layers"]))
+    head, why_head = prefer_one_library(rates.get("head", {}), choose_backends(rates.get("head", {})))
+    plan = LinearPlan(layers, head)
+    why = f"layers: {why_layers}; vocabulary projection: {why_head}"
+    logger.info("linear_backend auto: measured in %.2f s, GFLOP/s (best of each): %s. Chose: %s (%s).",
+                seconds, _describe(rates), plan.name, why)
     if disturbed:
         # INFO, not a warning: the plan is still the fairest comparison this run could make
         # (paired rounds), and the next start measures again.
@@ -167,7 +174,7 @@ def choose_linear_plan(backend: str, model: nn.Module, cache_dir: Path | None = 
                        "%s); using its plan for this run without caching it", 1 + NOISE,
                        ", ".join(disturbed[:4]) + (" ..." if len(disturbed) > 4 else ""))
         return plan
-    entry = {"key": key, "seconds": round(seconds, 3),
+    entry = {"key": key, "seconds": round(seconds, 3), "why": why,
              **{g: {"rows": list(c.rows), "backends": list(c.backends)} for g, c in (("layers", plan.layers),
                                                                                      ("head", plan.head))},
              "gflops": {g: {n: {b: [round(x / 1e9, 2) for x in v] for b, v in r.items()} for n, r in by_rows.items()}

@@ -14,6 +14,10 @@ caches its answer.
 - :func:`choose_backends` keeps, per row count, the library that was fastest *against the
   others in the same rounds*: ratios within a round cancel whatever slowed the whole
   round down.
+- :func:`prefer_one_library` keeps a single library instead when one is nearly as fast as
+  the per-row-count choice at every row count: a patchwork chosen from small differences
+  lost to the best single library end to end on one AMD EPYC (0.89x of oneDNN alone on
+  32 requests), as noise in a one-second measurement picks a different winner per row.
 - :func:`noisy` says when another program disturbed the measurement.
 - :func:`cpu_description` names the CPU, for the cache key.
 """
@@ -181,3 +185,51 @@ def choose_backends(rates: Rates, margin: float = 0.02, stock: str = "torch") ->
         keep = stock in ratio and ratio[best] <= ratio[stock] * (1 + margin)
         chosen.append(stock if keep else best)
     return LinearChoice(tuple(rows), tuple(chosen))
+
+
+ONE_LIBRARY_TOLERANCE = 0.05
+"""How much slower than the per-row-count choice a single library may be, at its worst row
+count, and still be preferred (:func:`prefer_one_library`)."""
+
+
+def _ratios(rates: Rates, stock: str) -> dict[int, dict[str, float]]:
+    """Per row count, each backend's speed relative to ``stock`` in the same rounds (median)."""
+    out = {}
+    for n, by_backend in rates.items():
+        ref = by_backend.get(stock) or next(iter(by_backend.values()))
+        out[n] = {b: statistics.median(x / r for x, r in zip(v, ref)) for b, v in by_backend.items()}
+    return out
+
+
+def prefer_one_library(rates: Rates, choice: LinearChoice, tolerance: float = ONE_LIBRARY_TOLERANCE,
+                       stock: str = "torch") -> tuple[LinearChoice, str]:
+    """``choice`` (from :func:`choose_backends`), or one library for every row count when
+    one is at most ``tolerance`` slower than ``choice`` at each row count measured; with
+    why, in words. Of several such libraries, the one fastest on average over the row
+    counts (geometric mean; the stock path on a tie).
+
+    Why: each row count's winner comes from a second of measurement on a machine that may
+    be shared, and a difference of a few percent there is as likely noise as a real gap.
+    One library end to end is what the fixed settings give, and a mix must beat it by a
+    clear margin somewhere to be worth its switches."""
+    if len(set(choice.backends)) == 1:
+        return choice, f"{choice.backends[0]} was fastest at every row count measured"
+    ratios = _ratios(rates, stock)
+    chosen = dict(zip(choice.rows, choice.backends))
+    worst = {}  # library -> (its largest loss against the choice, at which rows)
+    for b in next(iter(ratios.values())):
+        worst[b] = max((ratios[n][chosen[n]] / ratios[n][b] - 1, n) for n in choice.rows)
+    near = [b for b in worst if worst[b][0] <= tolerance]
+    if not near:
+        b, (loss, n) = min(worst.items(), key=lambda kv: kv[1][0])
+        return choice, (f"mixed, because every single library loses more than {tolerance:.0%} somewhere "
+                        f"(the closest, {b}, {loss:.0%} at {n} rows)")
+
+    def mean_speed(b: str) -> float:
+        return statistics.geometric_mean(ratios[n][b] for n in choice.rows)
+
+    best = max(near, key=lambda b: (mean_speed(b), b == stock))
+    loss, n = worst[best]
+    return (LinearChoice(choice.rows, (best,) * len(choice.rows)),
+            f"{best} alone, within {tolerance:.0%} of the per-row-count choice ({choice.name}) at every row "
+            f"count (at worst {loss:.1%} slower, at {n} rows)")
