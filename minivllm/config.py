@@ -148,7 +148,7 @@ class EngineConfig:
               '"prompt_lookup_min": 1} (minivllm.spec_decode); minivllm adds "adaptive" (default '
               'false; true: verify as many drafts as it measured to pay at this batch size)')
     compilation_config: dict | int | None = setting(
-        None, "torch.compile, as vLLM takes it: a mode number (3, or -O3 style on the command line: "
+        None, "torch.compile, as vLLM takes it: a mode number (on the command line: "
               '--compilation-config 3) or a dict such as {"mode": 3, "backend": "inductor"}; mode 3 '
               "compiles the model around an opaque attention op (minivllm.compilation), mode 0 "
               "runs it eagerly. Default (None): mode 0, unlike vLLM, because on a CPU compiling "

@@ -37,7 +37,7 @@ from minivllm.bench.tools import TOOLS
 from minivllm.engine.arg_utils import add_engine_arguments
 from minivllm.entrypoints.routing import ROUTING_POLICIES
 
-ENGINE = ENGINE_SETTINGS  # --block-size, --max-num-batched-tokens, --max-num-seqs
+ENGINE = ("block_size", "max_num_batched_tokens", "max_num_seqs")  # most modes' engine flags
 
 MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = {
     # mode: (its main, the options it reads besides --model)
@@ -57,7 +57,8 @@ MODES: dict[str, tuple[Callable[[argparse.Namespace], int], tuple[str, ...]]] = 
     "simulate": (simulate.simulate_main, (*ENGINE, "num_requests", "seed", "rate")),
     "simulate-cluster": (cluster.main, (*ENGINE, "num_requests", "seed", "cluster_replicas",
                                         "cluster_policies", "rate_per_replica", "figures")),
-    "serve": (serve.main, ("block_size", "max_num_batched_tokens", "num_requests", "seed", "concurrencies",
+    "serve": (serve.main, ("block_size", "max_num_batched_tokens", "compilation_config", "num_requests", "seed",
+                           "concurrencies",
                            "serve_rates", "prompt_len", "max_tokens", "serve_modes")),
     "tensor-parallel": (tensor_parallel.main, (*ENGINE, "num_requests", "tp_sizes", "tp_max_tokens",
                                                "distributed_executor_backend")),

@@ -8,8 +8,10 @@ from pathlib import Path
 
 from minivllm.worker.model_loader import load_tokenizer  # noqa: F401  (the modes import it from here)
 
-ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs")
-"""The EngineConfig fields that are ``minivllm bench`` flags (with ``model``)."""
+ENGINE_SETTINGS = ("block_size", "max_num_batched_tokens", "max_num_seqs", "compilation_config")
+"""The EngineConfig fields that are ``minivllm bench`` flags (with ``model``): each mode names
+those it takes (``minivllm.bench.cli.MODES``; ``compilation_config`` only where every engine
+the mode builds can run compiled)."""
 
 FIGURES = Path("figures")
 

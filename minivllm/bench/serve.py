@@ -175,7 +175,8 @@ def start_server(engine_process: bool, settings: dict, timeout: float = 300) -> 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    flags = [f"--{k.replace('_', '-')}={json.dumps(v) if isinstance(v, dict) else v}"
+             for k, v in settings.items() if v is not None]
     cmd = [sys.executable, "-m", "minivllm.entrypoints.cli", "serve", f"--port={port}",
            "--engine-process" if engine_process else "--no-engine-process",
            "--log-stats-interval=0", *flags]
