@@ -133,3 +133,15 @@ def test_speculative_drafts_through_the_traced_graph_keep_the_tokens(tiny):
     assert run_engine(llm, repetitive, lengths[:6]) == [hf_greedy(model, p, n) for p, n in zip(repetitive, lengths[:6])]
     assert any(c.num_draft_tokens for s in llm.trace.steps for c in s.scheduled)
     assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, backend", [({"quantization": "int8"}, "inductor"),
+                                             ({"kv_cache_dtype": "fp8"}, "eager")])
+def test_quantized_weights_and_an_8bit_cache_compile_to_the_same_tokens(tiny, kwargs, backend):
+    """Int8 layers (their own forward, traced into the graph) and an fp8 cache (read inside
+    the opaque op): the same greedy tokens as the same settings eager."""
+    model, prompts, lengths, _ = tiny
+    eager = LLM(model, tokenizer=None, log_stats_interval=None, **kwargs)
+    compiled = LLM(model, tokenizer=None, log_stats_interval=None,
+                   compilation_config={"mode": 3, "backend": backend}, **kwargs)
+    assert run_engine(compiled, prompts[:6], lengths[:6]) == run_engine(eager, prompts[:6], lengths[:6])
