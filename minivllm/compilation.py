@@ -91,10 +91,17 @@ def _(query, key, value, layer_idx, scale):
     return torch.empty_like(query)
 
 
+GRAPHS_PER_PROCESS = 64
+"""How many graphs of one model class's forward a process may hold (dynamo's
+``recompile_limit``, 8 by default: every compiled engine adds two, so four engines of
+different shapes in one program, a benchmark or a test session, would hit it)."""
+
+
 def compile_model(model: torch.nn.Module, config: CompilationConfig):
     """The model's forward pass compiled for any number of tokens. ``fullgraph=True``:
-    anything the tracer cannot put in the graph is an error at warm-up, not a silent
-    fall back to eager pieces."""
+    anything the tracer cannot put in the graph, or one graph too many, is an error at
+    warm-up, not a silent fall back to eager code."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, GRAPHS_PER_PROCESS)
     return torch.compile(model, backend=config.backend, dynamic=True, fullgraph=True)
 
 
