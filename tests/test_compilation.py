@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import all_blocks_free, hf_greedy, random_workload, run_engine
 from torch._dynamo.utils import counters
 
 from minivllm import LLM, EngineConfig
@@ -15,8 +16,6 @@ from minivllm.entrypoints.cli import build_parser
 from minivllm.exceptions import ValidationError
 from minivllm.worker.linear_plan import onednn_usable
 from minivllm.worker.model_loader import make_tiny_model
-
-from helpers import all_blocks_free, hf_greedy, random_workload, run_engine
 
 VOCAB = 512
 

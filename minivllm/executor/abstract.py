@@ -161,8 +161,8 @@ def load_model_for(config: EngineConfig, model: PreTrainedModel | None = None,
         if config.kv_cache_dtype != "auto":  # measured on the model that will run
             kv_cache = calibrate_kv_scales(model, config.kv_cache_dtype, calibration)
     # "auto" becomes a plan measured on this machine (or read from its cache), for the
-    # layers still in floating point.
-    # A compiled model's products are the calls inductor chooses: no plan.
+    # layers still in floating point; a compiled model's products are the calls inductor
+    # chooses, so it has no plan.
     plan = STOCK_PLAN if compilation else choose_linear_plan(linear_backend, model)
     return LoadedModel(model, tokenizer, device, dtype, backend_cls,
                        getattr(backend_cls, "name", None) or backend_cls.__name__,
