@@ -184,14 +184,22 @@ class AsyncMPClient(EngineCoreClient):
     async def _receive(self) -> FromCore:
         """The core's next message; EngineDeadError if its process has ended, or has been
         silent for ``iteration_timeout_s`` while requests or calls were in flight."""
-        quiet_since = time.monotonic()
-        while not await self._from_core.poll(IDLE_POLL_MS):
+        quiet = 0.0  # seconds of silence while requests or calls were in flight
+        while True:
+            polled = time.monotonic()
+            if await self._from_core.poll(IDLE_POLL_MS):
+                break
             if not self._process.is_alive():
                 raise EngineDeadError(describe_exit("the engine core process", self._process.exitcode))
             in_flight = len(self.output_processor.request_states) + len(self._calls)
             if not in_flight or self._ready is None:  # idle, or loading the model: silence is fine
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > self.iteration_timeout_s:
+                quiet = 0.0
+                continue
+            # Only the time this process spent waiting counts: a poll that took far longer
+            # than asked means this process itself was not running (stopped by SIGSTOP, then
+            # resumed), and the core cannot be blamed for that.
+            quiet += min(time.monotonic() - polled, 2 * IDLE_POLL_MS / 1000)
+            if quiet > self.iteration_timeout_s:
                 self._process.kill()  # SIGKILL: a stopped process does not act on SIGTERM
                 raise EngineDeadError(
                     f"the engine core process (pid {self._process.pid}) sent nothing for "
