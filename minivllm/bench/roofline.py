@@ -322,8 +322,9 @@ def plot_roofline(report: RooflineReport, ax=None):
     ax.axvline(ridge, color="gray", ls=":", lw=1)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     kinds = list(dict.fromkeys(p.name for p in report.points))  # one color per kind of step
+    named = len({p.setting for p in report.points}) > 1  # name the setting only when there are several
     for p in report.points:  # one marker per setting: the same step eager and compiled side by side
-        setting = "" if p.setting == "eager" and len({q.setting for q in report.points}) == 1 else f" ({p.setting})"
+        setting = f" ({p.setting})" if named else ""
         ax.plot(p.intensity, p.flop_s / 1e9, MARKERS.get(p.setting, "D"), color=colors[kinds.index(p.name) % len(colors)],
                 ms=8, label=f"{p.name}{setting}: {p.flop_s / report.peak_flop_s:.0%} of peak")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte of weights and KV cache)")

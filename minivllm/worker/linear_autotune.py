@@ -167,6 +167,15 @@ def noisy(rates: dict[str, Rates], tolerance: float = NOISE) -> list[str]:
             for b, v in r.items() if max(v) > (1 + tolerance) * statistics.median(v)]
 
 
+def _ratios(rates: Rates, stock: str) -> dict[int, dict[str, float]]:
+    """Per row count, each backend's speed relative to ``stock`` in the same rounds (median)."""
+    out = {}
+    for n, by_backend in rates.items():
+        ref = by_backend.get(stock) or next(iter(by_backend.values()))
+        out[n] = {b: statistics.median(x / r for x, r in zip(v, ref)) for b, v in by_backend.items()}
+    return out
+
+
 def choose_backends(rates: Rates, margin: float = 0.02, stock: str = "torch") -> LinearChoice:
     """Per row count, the backend that ran fastest *relative to the others in the same
     round*: each round times every backend back to back, so its ratios to the stock
@@ -176,11 +185,10 @@ def choose_backends(rates: Rates, margin: float = 0.02, stock: str = "torch") ->
     if not rates:
         return LinearChoice((1,), (stock,))
     rows = sorted(rates)
+    ratios = _ratios(rates, stock)
     chosen = []
     for n in rows:
-        by_backend = rates[n]
-        ref = by_backend.get(stock) or next(iter(by_backend.values()))
-        ratio = {b: statistics.median(x / r for x, r in zip(v, ref)) for b, v in by_backend.items()}
+        ratio = ratios[n]
         best = max(ratio, key=ratio.get)
         keep = stock in ratio and ratio[best] <= ratio[stock] * (1 + margin)
         chosen.append(stock if keep else best)
@@ -190,15 +198,6 @@ def choose_backends(rates: Rates, margin: float = 0.02, stock: str = "torch") ->
 ONE_LIBRARY_TOLERANCE = 0.05
 """How much slower than the per-row-count choice a single library may be, at its worst row
 count, and still be preferred (:func:`prefer_one_library`)."""
-
-
-def _ratios(rates: Rates, stock: str) -> dict[int, dict[str, float]]:
-    """Per row count, each backend's speed relative to ``stock`` in the same rounds (median)."""
-    out = {}
-    for n, by_backend in rates.items():
-        ref = by_backend.get(stock) or next(iter(by_backend.values()))
-        out[n] = {b: statistics.median(x / r for x, r in zip(v, ref)) for b, v in by_backend.items()}
-    return out
 
 
 def prefer_one_library(rates: Rates, choice: LinearChoice, tolerance: float = ONE_LIBRARY_TOLERANCE,
