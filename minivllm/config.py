@@ -155,6 +155,11 @@ class EngineConfig:
               "costs about a minute at start for a gain of a few percent (README)")
     enforce_eager: bool = setting(
         False, "never compile: the model runs eagerly whatever compilation_config says (vLLM's flag)")
+    async_scheduling: bool = setting(
+        False, "schedule the next step and process the last one's tokens while the model runs "
+               "(vLLM's flag; minivllm.core.async_scheduler): greedy tokens are the same; a request "
+               "that stops computes one token more, thrown away. Not with tensor parallelism, "
+               "speculative decoding or a KV connector")
 
     def __post_init__(self) -> None:
         self.verify()
@@ -198,6 +203,16 @@ class EngineConfig:
         if self.speculative_config is not None:  # checked here, read as a SpeculativeConfig
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config).as_dict()
         self.enforce_eager = check_bool("enforce_eager", self.enforce_eager)
+        self.async_scheduling = check_bool("async_scheduling", self.async_scheduling)
+        if self.async_scheduling:
+            for name, on, what in (
+                    ("tensor_parallel_size", self.tensor_parallel_size > 1, "tensor parallelism"),
+                    ("speculative_config", self.speculative_config is not None,
+                     "speculative decoding (drafts are proposed from the tokens of the step before)"),
+                    ("kv_transfer_config", self.kv_transfer_config is not None, "a KV connector")):
+                if on:
+                    raise ValidationError(name, f"async_scheduling does not run with {what}; "
+                                          "set async_scheduling=False", getattr(self, name))
         if self.compilation_config is not None:  # checked here, read as a CompilationConfig
             self.compilation_config = CompilationConfig.parse(self.compilation_config).as_dict()
         if self.kv_transfer_config is not None:  # checked here, read as a KVTransferConfig

@@ -65,6 +65,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        """Tokens being sampled for this request by a step still running, not yet known
+        here (async scheduling, ``minivllm.core.async_scheduler``; always 0 without it)."""
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -37,6 +37,24 @@ class ScheduledChunk:
 
 
 @dataclass
+class StepTimes:
+    """When a step's parts happened, on the engine's clock: scheduling runs from the
+    record's ``start`` to ``submitted``; packing the inputs (and, with async scheduling,
+    waiting for the step before) to ``model_start``; the model from there for
+    ``model_time`` seconds; the output's processing from ``output_start`` to the
+    record's ``end``.
+    One after the other, or, with async scheduling, overlapping the steps around it
+    (``minivllm.viz.plot_step_overlap``)."""
+
+    submitted: float
+    """Scheduled, handed to the executor."""
+    model_start: float | None
+    """The forward pass began (None: the runner did not say: the simulator's)."""
+    output_start: float
+    """The engine turned to this step's output (with async scheduling, it may wait for it)."""
+
+
+@dataclass
 class StepRecord:
     step: int
     start: float
@@ -61,6 +79,9 @@ class StepRecord:
     parallel: StepTiming | None = None
     """With tensor parallelism: each rank's forward pass split into compute and
     communication (``minivllm.executor.multiproc_executor.StepTiming``); None otherwise."""
+    times: StepTimes | None = None
+    """When its scheduling, forward pass and output processing happened (None: a step
+    that only preempted, with no forward pass)."""
 
     @property
     def num_tokens(self) -> int:
@@ -121,7 +142,8 @@ class Trace:
 
 def make_step_record(step: int, scheduler_output: SchedulerOutput, scheduler: Scheduler,
                      kv: KVCacheManager, start: float, end: float, model_time: float, finished: list[str],
-                     accepted: dict[str, int], parallel: StepTiming | None = None) -> StepRecord:
+                     accepted: dict[str, int], parallel: StepTiming | None = None,
+                     times: StepTimes | None = None) -> StepRecord:
     """The record of a step that has just run: what was scheduled, and the scheduler and
     KV cache as the step left them (block tables and reference counts copied)."""
     refs = {b.block_id: b.ref_cnt for blocks in kv.req_to_blocks.values() for b in blocks}
@@ -146,4 +168,5 @@ def make_step_record(step: int, scheduler_output: SchedulerOutput, scheduler: Sc
         num_waiting=len(scheduler.waiting),
         finished=finished,
         parallel=parallel,
+        times=times,
     )

@@ -92,15 +92,17 @@ class ScheduledRequest:
         done = request.num_computed_tokens
         spec = spec_token_ids or []
         num_known = num_new_tokens - len(spec)
+        # With async scheduling the last token may still be being sampled (a placeholder).
+        num_tokens = request.num_tokens + request.num_output_placeholders
         decode = (
             num_known == 1
-            and done == request.num_tokens - 1
+            and done == num_tokens - 1
             and done >= request.num_prompt_tokens
         )
         return cls(
             request, num_new_tokens, done,
             is_prefill=not decode,
-            samples=done + num_known == request.num_tokens,
+            samples=done + num_known == num_tokens,
             spec_token_ids=spec,
         )
 
@@ -220,9 +222,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if self.must_wait(request):
+                i += 1
+                continue
             # Drafts (speculative decoding) are tokens to compute like any other: they
             # count in the budget and get KV slots; the budget may cut them short.
-            num_known = request.num_tokens - request.num_computed_tokens
+            num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), budget)
             spec = request.spec_token_ids[:max(num_new - num_known, 0)]
             while kv.allocate_slots(request, num_new) is None:
@@ -244,6 +249,12 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def must_wait(self, request: Request) -> bool:
+        """Whether a running request sits this step out. Never here: the engine processes
+        each step's tokens before it schedules the next. (With async scheduling a
+        request may still be in flight: ``minivllm.core.async_scheduler``.)"""
+        return False
 
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Waiting requests, first in line first, while budget, KV blocks and seats last."""

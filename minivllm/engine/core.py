@@ -27,13 +27,17 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from minivllm.config import EngineConfig, SpeculativeConfig, load_component
+from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.kv_cache_utils import KVCacheSize, size_kv_cache
-from minivllm.core.scheduler import SchedulerOutput
+from minivllm.core.scheduler import Scheduler, SchedulerOutput
 from minivllm.distributed.kv_transfer import make_kv_connector
 from minivllm.distributed.kv_transfer.base import KVConnectorBase_V1
 from minivllm.engine.output_processor import EngineCoreOutput, FrontEndFinish
@@ -46,7 +50,7 @@ from minivllm.request import Request, RequestStatus
 from minivllm.sample.structured_output import GrammarCompiler, GrammarState, StructuredOutputsParams
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode.drafter import Drafter
-from minivllm.trace import Trace, make_step_record
+from minivllm.trace import StepTimes, Trace, make_step_record
 from minivllm.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
@@ -55,6 +59,20 @@ from minivllm.worker.model_runner import (
 )
 
 logger = logging.getLogger("minivllm")
+
+
+@dataclass
+class InFlightStep:
+    """A step handed to the executor, until its output is processed."""
+    scheduler_output: SchedulerOutput
+    start: float
+    """When it was scheduled (the engine's clock)."""
+    submitted: float
+    """When it was handed to the executor (which packs its inputs, then runs it)."""
+    future: Future | None = None
+    """Its output to come (async scheduling; None: the step ran at once)."""
+    first_time: list[Request] = field(default_factory=list)
+    """The requests first scheduled in it (their timestamp goes if it is rolled back)."""
 
 
 class EngineCore:
@@ -113,6 +131,8 @@ class EngineCore:
         # the project's own by default, a learner's when one is given.
         kv_cache_manager_cls = load_component("kv_cache_manager_cls", config.kv_cache_manager_cls)
         scheduler_cls = load_component("scheduler_cls", config.scheduler_cls)
+        if config.async_scheduling:
+            scheduler_cls = self._async_scheduler_cls(scheduler_cls, model_runner)
         self.kv_cache_manager = kv_cache_manager_cls(
             size.num_blocks, config.block_size, config.enable_prefix_caching,
             block_pool_cls=load_component("block_pool_cls", config.block_pool_cls))
@@ -169,6 +189,9 @@ class EngineCore:
         self._finished_outputs: list = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._step_index = 0
+        self._batch_queue: deque[InFlightStep] | None = deque() if config.async_scheduling else None
+        """Async scheduling: the steps handed to the executor whose output is not yet
+        processed, oldest first (at most two). None: one step at a time."""
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
         self.drafter: Drafter | None = None
@@ -180,6 +203,22 @@ class EngineCore:
             LoggingStatLogger(config.log_stats_interval, self.clock())
             if config.log_stats_interval else None
         )
+
+    def _async_scheduler_cls(self, scheduler_cls: type, model_runner: ModelRunner | None) -> type:
+        """The scheduler for async scheduling: :class:`AsyncScheduler`, or a learner's
+        scheduler that is one. Refused, naming the field, for a scheduler that is not
+        (it would schedule tokens it cannot know) and for a runner of one's own (the
+        simulator's steps follow a virtual clock, one after the other)."""
+        if model_runner is not None:
+            raise ValidationError("async_scheduling", "async_scheduling needs the engine's own model "
+                                  "runner (this engine was given one: the simulator's?)", True)
+        if scheduler_cls is Scheduler:
+            return AsyncScheduler
+        if not issubclass(scheduler_cls, AsyncScheduler):
+            raise ValidationError("scheduler_cls", f"async_scheduling needs a scheduler that keeps "
+                                  f"placeholders (a subclass of AsyncScheduler); {scheduler_cls.__name__} "
+                                  "is not", scheduler_cls)
+        return scheduler_cls
 
     # -- requests in and out ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
@@ -255,7 +294,8 @@ class EngineCore:
         self.executor.remove_requests([r.request_id for r in requests])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
+        return (self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
+                or bool(self._batch_queue))
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -280,17 +320,77 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list:
+        if self._batch_queue is not None:
+            return self._step_with_batch_queue(self._batch_queue)
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if scheduler_output.preempted:  # memory ran out and every running request left
-                self._record_preemptions(scheduler_output, start)
-            if getattr(self.scheduler, "waiting_for_remote_kvs", None):  # background loads only
-                self._wait_for_remote_kvs(scheduler_output)
-            elif not scheduler_output.preempted and self.scheduler.has_unfinished_requests():
-                raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+            self._empty_step(scheduler_output, start)
             return []
+        submitted = self.clock()
         result = self._execute(scheduler_output, start)
+        return self._update(InFlightStep(scheduler_output, start, submitted), result, self.clock())
+
+    def _step_with_batch_queue(self, queue: deque[InFlightStep]) -> list:
+        """One call with async scheduling: schedule a step and hand it to the executor,
+        then wait for the oldest step in flight and process its tokens. So step N+1 is
+        scheduled, and step N's output processed, while step N+1 waits behind step N
+        or runs: the model never waits for the engine's Python. The first call after
+        an idle spell only submits (nothing older to process); a call that schedules
+        nothing processes what is in flight.
+
+        A failed step fails every step submitted after it; all of them are rolled back,
+        latest first, and the error re-raised, as :meth:`step` promises."""
+        start = self.clock()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            queue.append(self._submit(scheduler_output, start))
+            if len(queue) < 2:
+                return []
+        elif not queue:
+            self._empty_step(scheduler_output, start)
+            return []
+        elif scheduler_output.preempted:
+            self._record_preemptions(scheduler_output, start)
+        step = queue.popleft()
+        output_start = self.clock()
+        try:
+            result = step.future.result()
+        except BaseException:
+            steps = [step, *queue]
+            queue.clear()
+            for s in steps[1:]:  # each fails at once: the step before it failed
+                s.future.exception()
+            for s in reversed(steps):
+                self._roll_back(s.scheduler_output, s.first_time)
+            self.executor.forget_failures()
+            raise
+        return self._update(step, result, output_start)
+
+    def _submit(self, scheduler_output: SchedulerOutput, start: float) -> InFlightStep:
+        """Hand a scheduled step to the executor without waiting for it."""
+        first_time = self._first_scheduled(scheduler_output, start)
+        submitted = self.clock()
+        try:
+            future = self.executor.execute_model(scheduler_output, non_block=True)
+        except BaseException:  # packing the inputs failed: nothing was submitted
+            self._roll_back(scheduler_output, first_time)
+            raise
+        return InFlightStep(scheduler_output, start, submitted, future, first_time)
+
+    def _empty_step(self, scheduler_output: SchedulerOutput, start: float) -> None:
+        """A step that schedules nothing (and, with async scheduling, nothing is in flight)."""
+        if scheduler_output.preempted:  # memory ran out and every running request left
+            self._record_preemptions(scheduler_output, start)
+        if getattr(self.scheduler, "waiting_for_remote_kvs", None):  # background loads only
+            self._wait_for_remote_kvs(scheduler_output)
+        elif not scheduler_output.preempted and self.scheduler.has_unfinished_requests():
+            raise RuntimeError("scheduler made no progress with requests pending; this is a bug")
+
+    def _update(self, step: InFlightStep, result: ModelRunnerOutput, output_start: float) -> list:
+        """A step's output into the requests: tokens, stops, logprobs, timestamps, the
+        trace and the stats (and drafts for the next step)."""
+        scheduler_output, start = step.scheduler_output, step.start
         accepted = self.drafter.count_accepted(scheduler_output, result.sampled) if self.drafter else {}
         before = {s.request.request_id: (s.request.num_output_tokens, len(s.request.prompt_logprobs or ()))
                   for s in scheduler_output.scheduled}
@@ -300,8 +400,13 @@ class EngineCore:
                                         updated)
         finished, got_token = self._record_tokens(updated)
         self.executor.remove_requests(finished)
+        model_start = None
+        if result.model_start is not None:  # the runner's perf_counter, on the engine's clock
+            since = time.perf_counter() - result.model_start
+            model_start = self.clock() - since
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
-                     getattr(result, "parallel", None))
+                     getattr(result, "parallel", None),
+                     StepTimes(step.submitted, model_start, output_start))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
         if self.drafter is not None:
@@ -333,17 +438,27 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput, start: float) -> ModelRunnerOutput:
         """The forward pass and sampling; if they fail, the step is rolled back."""
+        first_time = self._first_scheduled(scheduler_output, start)
+        try:
+            return self.executor.execute_model(scheduler_output)
+        except BaseException:  # an error, or Ctrl-C in a notebook: leave nothing half-done
+            self._roll_back(scheduler_output, first_time)
+            raise
+
+    @staticmethod
+    def _first_scheduled(scheduler_output: SchedulerOutput, start: float) -> list[Request]:
+        """Stamp the requests scheduled for the first time; returns them."""
         first_time = [s.request for s in scheduler_output.scheduled
                       if s.request.metrics.first_scheduled_time is None]
         for request in first_time:
             request.metrics.first_scheduled_time = start
-        try:
-            return self.executor.execute_model(scheduler_output)
-        except BaseException:  # an error, or Ctrl-C in a notebook: leave nothing half-done
-            self.scheduler.rollback(scheduler_output)
-            for request in first_time:  # all were admitted this step, and are waiting again
-                request.metrics.first_scheduled_time = None
-            raise
+        return first_time
+
+    def _roll_back(self, scheduler_output: SchedulerOutput, first_time: list[Request]) -> None:
+        """Undo a step that failed (``Scheduler.rollback``)."""
+        self.scheduler.rollback(scheduler_output)
+        for request in first_time:  # all were admitted this step, and are waiting again
+            request.metrics.first_scheduled_time = None
 
     def _core_output(self, request: Request, num_sent: int, num_prompt_logprobs: int) -> EngineCoreOutput:
         """What ``request`` gained this step, given how many output tokens and prompt
@@ -360,12 +475,13 @@ class EngineCore:
                                 request.metrics.num_cached_tokens, new_logprobs, prompt_logprobs)
 
     def _record(self, scheduler_output: SchedulerOutput, start: float, end: float, model_time: float,
-                finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None) -> None:
+                finished: list[str], accepted: dict[str, int], parallel: StepTiming | None = None,
+                times: StepTimes | None = None) -> None:
         """Append the step just run to the trace (``minivllm.trace.make_step_record``); its
         ``end`` was read before, so the copying here is not in the step's duration."""
         self.trace.record(make_step_record(
             self._step_index, scheduler_output, self.scheduler, self.kv_cache_manager, start, end,
-            model_time, finished, accepted, parallel))
+            model_time, finished, accepted, parallel, times))
         self._step_index += 1
 
     def _process_outputs(self, outputs: list[EngineCoreOutput], updated: list[Request]) -> list:
@@ -425,7 +541,9 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any, and let the KV connector keep what
         should outlive the engine (idempotent)."""
         if getattr(self, "executor", None) is not None:  # None: __init__ failed before it
-            self.executor.shutdown()
+            self.executor.shutdown()  # after the steps in flight, if any, have run
+            if self._batch_queue:
+                self._batch_queue.clear()
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.shutdown()
 

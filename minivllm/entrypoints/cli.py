@@ -15,7 +15,7 @@ from minivllm.worker.model_loader import DEFAULT_MODEL
 GENERATE_SETTINGS = ("model", "max_model_len", "attention_backend", "linear_backend", "dtype", "quantization",
                      "kv_cache_dtype", "device",
                      "tensor_parallel_size", "distributed_executor_backend", "speculative_config",
-                     "compilation_config", "enforce_eager")
+                     "compilation_config", "enforce_eager", "async_scheduling")
 """The engine settings ``minivllm generate`` takes (its ``--seed`` is the sampling seed)."""
 SERVE_SETTINGS = tuple(name for name in EngineConfig.__dataclass_fields__ if name != "max_trace_steps")
 """Every engine setting, except the trace's length: a server keeps its last 1000 steps."""

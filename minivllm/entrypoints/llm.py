@@ -71,6 +71,7 @@ class LLM:
         speculative_config: dict | None = None,
         compilation_config: dict | int | None = None,
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         """``model`` is an embedded model name, a local HF folder, or a loaded model
         (then pass its ``tokenizer``, or None to work with token ids only). Every option
@@ -95,6 +96,7 @@ class LLM:
             distributed_executor_backend=distributed_executor_backend,
             kv_transfer_config=kv_transfer_config, speculative_config=speculative_config,
             compilation_config=compilation_config, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
         )
         loaded = None if isinstance(model, str) else model
         self.llm_engine = LLMEngine(config, loaded, tokenizer)

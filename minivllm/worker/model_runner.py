@@ -82,6 +82,8 @@ class ModelRunnerOutput:
     with drafts, the accepted drafts and then the target's own token."""
     model_time: float
     """Seconds spent in the forward pass and sampler."""
+    model_start: float | None = None
+    """When the forward pass began (``time.perf_counter``); None from a runner that does not say."""
     parallel: StepTiming | None = None
     """With tensor parallelism: the forward pass of every rank, compute vs communication."""
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
@@ -118,6 +120,20 @@ def prompt_logprob_rows(scheduler_output: SchedulerOutput) -> list[tuple[str, in
     return rows
 
 
+def placeholder_rows(scheduler_output: SchedulerOutput) -> list[tuple[int, str]]:
+    """(index in the flat batch, request id) of every token this step computes that the
+    engine does not know yet: with async scheduling, a decode scheduled while the step
+    before it is still sampling that very token (``minivllm.core.async_scheduler``). It is
+    the last known position of its request's rows, before any drafts. Empty without."""
+    rows, offset = [], 0
+    for s in scheduler_output.scheduled:
+        num_known = s.num_new_tokens - len(s.spec_token_ids)
+        if s.num_computed_tokens + num_known > s.request.num_tokens:
+            rows.append((offset + num_known - 1, s.request.request_id))
+        offset += s.num_new_tokens
+    return rows
+
+
 @dataclass
 class StepInputs:
     """One step's inputs, between :meth:`ModelRunner.prepare_step` and the sampler."""
@@ -130,6 +146,9 @@ class StepInputs:
     """When the step's model work began (``perf_counter``): ``model_time`` counts from here."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """The KV connector's transfers for this step (``SchedulerOutput.kv_connector_metadata``)."""
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
+    """(index in the flat batch, request id) of each token still being sampled when the
+    step was prepared (:func:`placeholder_rows`)."""
 
 
 class ModelRunner:
@@ -190,6 +209,8 @@ class ModelRunner:
                         "token, one for any number", compilation.backend, self.compile_seconds)
         self.sampler = sampler_cls(seed)
         self.rejection_sampler = RejectionSampler()
+        self.last_sampled: dict[str, list[int]] = {}
+        """The tokens the last step sampled (what a placeholder of the next one stands for)."""
         self.generators: dict[str, torch.Generator] = {}
         """request_id -> the private generator of a request with a seed (vLLM keeps them in
         its input batch). Made when the request first samples, dropped when it finishes
@@ -232,7 +253,10 @@ class ModelRunner:
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
             table = self.kv_cache_manager.get_block_ids(req.request_id)
-            input_ids.extend(req.all_token_ids[start : end - len(s.spec_token_ids)])
+            known = req.all_token_ids[start : end - len(s.spec_token_ids)]
+            input_ids.extend(known)
+            # A token still being sampled (async scheduling): execute_step fills it in.
+            input_ids.extend([0] * (end - len(s.spec_token_ids) - start - len(known)))
             input_ids.extend(s.spec_token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -269,8 +293,22 @@ class ModelRunner:
         """One step: pack the inputs, run the forward pass, sample."""
         if not scheduler_output.scheduled:
             return self.kv_connector_no_forward(scheduler_output)
-        step = self.prepare_step(scheduler_output)
-        return self.sample_step(step, self.forward(step))
+        return self.execute_step(self.prepare_step(scheduler_output))
+
+    def execute_step(self, step: StepInputs) -> ModelRunnerOutput:
+        """The forward pass and sampling of a prepared step. With async scheduling this
+        runs in the executor's worker thread, after the step before it: a token that step
+        sampled and the engine has not seen yet (a placeholder, ``minivllm.core.async_scheduler``)
+        is put into the inputs here, from what this runner sampled last. A request whose
+        sampling failed there is finished by the engine; its row gets token 0, and its
+        result is thrown away."""
+        input_ids = step.inputs["input_ids"]
+        for row, request_id in step.placeholders:
+            input_ids[0, row] = self.last_sampled.get(request_id, [0])[-1]
+        step.start = time.perf_counter()
+        output = self.sample_step(step, self.forward(step))
+        self.last_sampled = output.sampled
+        return output
 
     def kv_connector_no_forward(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """A step with nothing to compute while a KV connector loads in the background:
@@ -292,7 +330,7 @@ class ModelRunner:
         inputs, logits_indices, requests = self.prepare_inputs(scheduler_output)
         sampling = SamplingMetadata.build(requests, prompt_logprob_rows(scheduler_output), self._generator)
         return StepInputs(inputs, logits_indices, sampling, time.perf_counter(),
-                          scheduler_output.kv_connector_metadata)
+                          scheduler_output.kv_connector_metadata, placeholder_rows(scheduler_output))
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -354,6 +392,7 @@ class ModelRunner:
         sampled, errors = self.sample(logits[:md.num_sample_rows], md)
         logprobs, prompt_logprobs = self.gather_logprobs(logits, md, sampled)
         return ModelRunnerOutput(sampled=sampled, errors=errors, model_time=time.perf_counter() - step.start,
+                                 model_start=step.start,
                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  kv_connector_output=None if self.kv_connector is None
                                  else self.kv_connector.get_finished())
