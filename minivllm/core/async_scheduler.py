@@ -2,9 +2,9 @@
 
 Without it the engine does one thing at a time: schedule, run the model, read the
 sampled tokens, check stops, make the outputs, and only then schedule again. Everything
-but the model is time the model is idle. With async scheduling the model runs step N in
-a worker thread (``minivllm.executor.abstract.UniProcExecutor``) while the engine
-schedules step N+1 and then processes step N-1's tokens (``EngineCore``'s batch queue).
+but the model is time the model is idle. With async scheduling the model runs step N
+while the engine's second thread processes step N-1's tokens and schedules step N+1
+(``EngineCore._step_async``).
 
 The catch is that step N+1 is scheduled before step N's tokens are known. A request
 decoding in step N decodes again in step N+1, and the token step N+1 computes is the one
@@ -24,8 +24,10 @@ from what it sampled last (``ModelRunner.execute_step``). Two consequences:
 Prompt chunks need no token from the step before, so chunk k+1 is scheduled while
 chunk k runs.
 
-In vLLM: ``vllm/v1/core/sched/async_scheduler.py`` (``AsyncScheduler``) and
-``EngineCore.step_with_batch_queue``.
+In vLLM: ``vllm/v1/core/sched/async_scheduler.py`` (``AsyncScheduler``). There the GPU
+runs step N while the CPU schedules step N+1 (``EngineCore.step_with_batch_queue``); on a
+CPU the model's operators need the cores themselves, so what overlaps is the engine's
+Python with the operators, through the interpreter lock.
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -54,6 +53,7 @@ from minivllm.trace import StepTimes, Trace, make_step_record
 from minivllm.worker.model_runner import (
     ModelRunner,
     ModelRunnerOutput,
+    StepInputs,
     kv_cache_bytes_per_token,
     kv_cache_shape,
 )
@@ -63,14 +63,14 @@ logger = logging.getLogger("minivllm")
 
 @dataclass
 class InFlightStep:
-    """A step handed to the executor, until its output is processed."""
+    """A scheduled step, until its output is processed."""
     scheduler_output: SchedulerOutput
     start: float
     """When it was scheduled (the engine's clock)."""
     submitted: float
     """When it was handed to the executor (which packs its inputs, then runs it)."""
-    future: Future | None = None
-    """Its output to come (async scheduling; None: the step ran at once)."""
+    inputs: StepInputs | None = None
+    """Async scheduling: its inputs, packed when it was scheduled (None: the step ran at once)."""
     first_time: list[Request] = field(default_factory=list)
     """The requests first scheduled in it (their timestamp goes if it is rolled back)."""
 
@@ -189,9 +189,12 @@ class EngineCore:
         self._finished_outputs: list = []
         """Final outputs of requests aborted between steps, handed out by the next step()."""
         self._step_index = 0
-        self._batch_queue: deque[InFlightStep] | None = deque() if config.async_scheduling else None
-        """Async scheduling: the steps handed to the executor whose output is not yet
-        processed, oldest first (at most two). None: one step at a time."""
+        # Async scheduling's steps in flight (:meth:`_step_async`), and its second thread.
+        self._next_step: InFlightStep | None = None
+        """Scheduled and packed: runs in the next call."""
+        self._last_step: tuple[InFlightStep, ModelRunnerOutput] | None = None
+        """Ran: its output is processed in the next call."""
+        self._bookkeeper: ThreadPoolExecutor | None = None
         self.stats = EngineStats()
         """Engine-wide counters and histograms behind :meth:`get_metrics`."""
         self.drafter: Drafter | None = None
@@ -295,7 +298,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
-                or bool(self._batch_queue))
+                or self._next_step is not None or self._last_step is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -320,8 +323,8 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list:
-        if self._batch_queue is not None:
-            return self._step_with_batch_queue(self._batch_queue)
+        if self.config.async_scheduling:
+            return self._step_async()
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
@@ -331,52 +334,79 @@ class EngineCore:
         result = self._execute(scheduler_output, start)
         return self._update(InFlightStep(scheduler_output, start, submitted), result, self.clock())
 
-    def _step_with_batch_queue(self, queue: deque[InFlightStep]) -> list:
-        """One call with async scheduling: schedule a step and hand it to the executor,
-        then wait for the oldest step in flight and process its tokens. So step N+1 is
-        scheduled, and step N's output processed, while step N+1 waits behind step N
-        or runs: the model never waits for the engine's Python. The first call after
-        an idle spell only submits (nothing older to process); a call that schedules
-        nothing processes what is in flight.
+    def _step_async(self) -> list:
+        """One call with async scheduling: run the step packed last time, and meanwhile,
+        in the engine's second thread, process the output of the step before it and
+        schedule the step after it; then pack that one, here. Returns the outputs
+        processed, one call late. After an idle spell the step to run is scheduled
+        first, here.
 
-        A failed step fails every step submitted after it; all of them are rolled back,
-        latest first, and the error re-raised, as :meth:`step` promises."""
+        All tensor work stays in *this* thread, the one that runs the model without
+        async scheduling too: PyTorch runs its CPU operators on a team of threads per
+        calling thread (OpenMP), and a second team on the same cores was measured to make
+        the forward pass 1.7x slower. The second thread runs only Python, which takes
+        turns with this one through the interpreter lock while the operators here run
+        without it.
+
+        A failed step is rolled back with the step scheduled behind it (whose
+        placeholders stood for its tokens), and the error re-raised, as :meth:`step`
+        promises; the outputs processed meanwhile are handed out by the next call."""
+        if self._next_step is None and self._last_step is None:  # idle: nothing in flight
+            start = self.clock()
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                self._empty_step(scheduler_output, start)
+                return []
+            self._next_step = self._prepare(scheduler_output, start)
+        current, last = self._next_step, self._last_step
+        self._next_step = self._last_step = None
+        if self._bookkeeper is None:
+            self._bookkeeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-engine")
+        job = self._bookkeeper.submit(self._process_and_schedule, last)
+        try:
+            result = None if current is None else self.executor.execute_step(current.inputs)
+        except BaseException:
+            if job.exception() is None:
+                outputs, scheduled = job.result()
+                self._finished_outputs.extend(outputs)
+                if scheduled is not None:  # latest first
+                    self.scheduler.rollback(scheduled[0])
+            self._roll_back(current.scheduler_output, current.first_time)
+            raise
+        if current is not None:
+            self._last_step = (current, result)
+        outputs, scheduled = job.result()
+        if scheduled is not None:
+            try:
+                self._next_step = self._prepare(*scheduled)
+            except BaseException:
+                self._finished_outputs.extend(outputs)
+                raise
+        return outputs
+
+    def _process_and_schedule(self, last: tuple[InFlightStep, ModelRunnerOutput] | None
+                              ) -> tuple[list, tuple[SchedulerOutput, float] | None]:
+        """The engine's side of an async step (its second thread; no tensors): the
+        output of the step that ran last, then the next step scheduled (with when)."""
+        outputs = [] if last is None else self._update(*last, self.clock())
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.is_empty:
-            queue.append(self._submit(scheduler_output, start))
-            if len(queue) < 2:
-                return []
-        elif not queue:
-            self._empty_step(scheduler_output, start)
-            return []
-        elif scheduler_output.preempted:
-            self._record_preemptions(scheduler_output, start)
-        step = queue.popleft()
-        output_start = self.clock()
-        try:
-            result = step.future.result()
-        except BaseException:
-            steps = [step, *queue]
-            queue.clear()
-            for s in steps[1:]:  # each fails at once: the step before it failed
-                s.future.exception()
-            for s in reversed(steps):
-                self._roll_back(s.scheduler_output, s.first_time)
-            self.executor.forget_failures()
-            raise
-        return self._update(step, result, output_start)
+        if scheduler_output.is_empty:
+            if scheduler_output.preempted:
+                self._record_preemptions(scheduler_output, start)
+            return outputs, None
+        return outputs, (scheduler_output, start)
 
-    def _submit(self, scheduler_output: SchedulerOutput, start: float) -> InFlightStep:
-        """Hand a scheduled step to the executor without waiting for it."""
+    def _prepare(self, scheduler_output: SchedulerOutput, start: float) -> InFlightStep:
+        """Pack a scheduled step's inputs to run later; if that fails, it is rolled back."""
         first_time = self._first_scheduled(scheduler_output, start)
         submitted = self.clock()
         try:
-            future = self.executor.execute_model(scheduler_output, non_block=True)
-        except BaseException:  # packing the inputs failed: nothing was submitted
+            inputs = self.executor.prepare_step(scheduler_output)
+        except BaseException:
             self._roll_back(scheduler_output, first_time)
             raise
-        return InFlightStep(scheduler_output, start, submitted, future, first_time)
+        return InFlightStep(scheduler_output, start, submitted, inputs, first_time)
 
     def _empty_step(self, scheduler_output: SchedulerOutput, start: float) -> None:
         """A step that schedules nothing (and, with async scheduling, nothing is in flight)."""
@@ -541,9 +571,10 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any, and let the KV connector keep what
         should outlive the engine (idempotent)."""
         if getattr(self, "executor", None) is not None:  # None: __init__ failed before it
-            self.executor.shutdown()  # after the steps in flight, if any, have run
-            if self._batch_queue:
-                self._batch_queue.clear()
+            self.executor.shutdown()
+        if getattr(self, "_bookkeeper", None) is not None:
+            self._bookkeeper.shutdown(wait=True)
+            self._bookkeeper = None
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.shutdown()
 

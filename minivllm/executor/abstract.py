@@ -23,7 +23,6 @@ In vLLM: ``vllm/v1/executor/abstract.py`` (``Executor``), ``uniproc_executor.py`
 from __future__ import annotations
 
 import copy
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +58,18 @@ class Executor:
     model_runner: ModelRunner
     """The runner in the engine's process (rank 0's, with tensor parallelism)."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
-                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step. ``non_block`` (async scheduling): return at once with a future of
-        its output; only :class:`UniProcExecutor` does."""
-        if non_block:
-            raise NotImplementedError(f"{type(self).__name__} runs steps one at a time (no async scheduling)")
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """Async scheduling's first half of :meth:`execute_model`: pack a step's inputs
+        now (from the scheduler's state as the step left it), to run later with
+        :meth:`execute_step`. Only :class:`UniProcExecutor` splits a step so."""
+        raise NotImplementedError(f"{type(self).__name__} runs each step whole (no async scheduling)")
+
+    def execute_step(self, step: StepInputs) -> ModelRunnerOutput:
+        """Async scheduling's second half: the forward pass and sampling of a packed step."""
+        raise NotImplementedError(f"{type(self).__name__} runs each step whole (no async scheduling)")
 
     def remove_requests(self, request_ids: list[str]) -> None:
         """Forget what the runner keeps for these requests (they have finished)."""
@@ -76,45 +80,14 @@ class Executor:
 
 
 class UniProcExecutor(Executor):
-    """The model runner in the engine's process; with ``non_block``, in one worker thread.
-
-    Async scheduling (``minivllm.core.async_scheduler``) needs the forward pass to run
-    while the engine's Python schedules the next step: PyTorch's operators release the
-    interpreter lock, so a second thread is enough. The inputs are packed here, in the
-    calling thread, while the scheduler's state is exactly that step's; the thread runs
-    the forward pass and the sampler, one step after the other in the order submitted.
-    A step submitted after one that failed does not run (its placeholders would stand
-    for tokens never sampled): it fails too, and the engine rolls both back."""
-
     def __init__(self, model_runner: ModelRunner) -> None:
         self.model_runner = model_runner
-        self._thread: ThreadPoolExecutor | None = None
-        self._last: Future | None = None
-        """The step submitted last: the next one runs only if it succeeded."""
 
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
-                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        if not non_block:
-            return self.model_runner.execute_model(scheduler_output)
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-model")
-        step = self.model_runner.prepare_step(scheduler_output)
-        self._last = self._thread.submit(self._run_after, self._last, step)
-        return self._last
+    def prepare_step(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        return self.model_runner.prepare_step(scheduler_output)
 
-    def _run_after(self, before: Future | None, step: StepInputs) -> ModelRunnerOutput:
-        if before is not None and before.exception() is not None:
-            raise RuntimeError("not run: the step submitted before it failed") from before.exception()
+    def execute_step(self, step: StepInputs) -> ModelRunnerOutput:
         return self.model_runner.execute_step(step)
-
-    def forget_failures(self) -> None:
-        """The engine has rolled back the failed steps: the next one runs afresh."""
-        self._last = None
-
-    def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
 
 
 def resolve_device(name: str) -> torch.device:

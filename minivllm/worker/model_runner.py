@@ -296,12 +296,12 @@ class ModelRunner:
         return self.execute_step(self.prepare_step(scheduler_output))
 
     def execute_step(self, step: StepInputs) -> ModelRunnerOutput:
-        """The forward pass and sampling of a prepared step. With async scheduling this
-        runs in the executor's worker thread, after the step before it: a token that step
-        sampled and the engine has not seen yet (a placeholder, ``minivllm.core.async_scheduler``)
-        is put into the inputs here, from what this runner sampled last. A request whose
-        sampling failed there is finished by the engine; its row gets token 0, and its
-        result is thrown away."""
+        """The forward pass and sampling of a packed step. With async scheduling the step
+        was packed before the engine had seen the tokens of the step before it: each token
+        it could not know (a placeholder, ``minivllm.core.async_scheduler``) is put into the
+        inputs here, from what this runner sampled last. A request whose sampling failed
+        there is finished by the engine; its row gets token 0, and its result is thrown
+        away."""
         input_ids = step.inputs["input_ids"]
         for row, request_id in step.placeholders:
             input_ids[0, row] = self.last_sampled.get(request_id, [0])[-1]
