@@ -39,15 +39,14 @@ class ScheduledChunk:
 @dataclass
 class StepTimes:
     """When a step's parts happened, on the engine's clock: scheduling runs from the
-    record's ``start`` to ``submitted``; packing the inputs (and, with async scheduling,
-    waiting for the step before) to ``model_start``; the model from there for
-    ``model_time`` seconds; the output's processing from ``output_start`` to the
-    record's ``end``.
+    record's ``start`` to ``scheduled``; then its inputs are packed; the model runs
+    from ``model_start`` for ``model_time`` seconds; the output's processing runs from
+    ``output_start`` to the record's ``end``.
     One after the other, or, with async scheduling, overlapping the steps around it
     (``minivllm.viz.plot_step_overlap``)."""
 
-    submitted: float
-    """Scheduled, handed to the executor."""
+    scheduled: float
+    """Scheduling done."""
     model_start: float | None
     """The forward pass began (None: the runner did not say: the simulator's)."""
     output_start: float

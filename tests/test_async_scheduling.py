@@ -87,7 +87,7 @@ def test_the_next_step_is_scheduled_while_the_model_runs(tiny):
     assert len(steps) >= 12
     for before, after in zip(steps, steps[1:]):
         assert after.start <= before.times.output_start <= before.end
-        assert before.times.submitted <= before.times.model_start
+        assert before.times.scheduled <= before.times.model_start
         assert after.times.model_start >= before.times.model_start + before.model_time
 
 

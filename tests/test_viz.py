@@ -779,3 +779,24 @@ def test_quantization_figures_refuse_mismatched_inputs():
         viz.plot_parting_step(["a", "b"], {"float32": [0.5]}, {})
     with pytest.raises(ValueError, match="one weight size and one step time"):
         viz.plot_decode_bytes(["float32"], [1, 2], _ms(1.0), [_ms(1.0)])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_overlap_shows_where_the_engine_worked(tiny_model, async_scheduling):
+    """One at a time, no engine work falls inside a forward pass, by construction; with
+    async scheduling each step is scheduled before the step before it is processed."""
+    llm = LLM(tiny_model, async_scheduling=async_scheduling, log_stats_interval=None)
+    llm.generate([{"prompt_token_ids": [5 + i, 6, 7] * 10} for i in range(4)],
+                 SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    overlap = viz.step_overlap(llm.trace)
+    assert overlap["engine"] > 0 and overlap["model"] > 0
+    if not async_scheduling:
+        assert overlap["hidden"] == 0
+    fig = viz.plot_step_overlap(llm.trace, steps=range(2, 8))
+    gids = {a.get_gid() for a in fig.axes[0].collections}
+    assert {f"{kind}-{i}" for kind in ("model", "schedule", "output") for i in range(2, 8)} <= gids
+    bars = {a.get_gid(): a.get_paths()[0].get_extents() for a in fig.axes[0].collections}
+    for i in range(2, 7):  # the x where each bar starts
+        scheduled_next, processed = bars[f"schedule-{i + 1}"].x0, bars[f"output-{i}"].x0
+        assert (scheduled_next <= processed) == async_scheduling
+    assert layout_problems(fig) == []

@@ -67,8 +67,8 @@ class InFlightStep:
     scheduler_output: SchedulerOutput
     start: float
     """When it was scheduled (the engine's clock)."""
-    submitted: float
-    """When it was handed to the executor (which packs its inputs, then runs it)."""
+    scheduled: float
+    """When its scheduling was done (its inputs are packed next)."""
     inputs: StepInputs | None = None
     """Async scheduling: its inputs, packed when it was scheduled (None: the step ran at once)."""
     first_time: list[Request] = field(default_factory=list)
@@ -330,9 +330,9 @@ class EngineCore:
         if scheduler_output.is_empty:
             self._empty_step(scheduler_output, start)
             return []
-        submitted = self.clock()
+        scheduled = self.clock()
         result = self._execute(scheduler_output, start)
-        return self._update(InFlightStep(scheduler_output, start, submitted), result, self.clock())
+        return self._update(InFlightStep(scheduler_output, start, scheduled), result, self.clock())
 
     def _step_async(self) -> list:
         """One call with async scheduling: run the step packed last time, and meanwhile,
@@ -357,7 +357,7 @@ class EngineCore:
             if scheduler_output.is_empty:
                 self._empty_step(scheduler_output, start)
                 return []
-            self._next_step = self._prepare(scheduler_output, start)
+            self._next_step = self._prepare(scheduler_output, start, self.clock())
         current, last = self._next_step, self._last_step
         self._next_step = self._last_step = None
         if self._bookkeeper is None:
@@ -385,9 +385,10 @@ class EngineCore:
         return outputs
 
     def _process_and_schedule(self, last: tuple[InFlightStep, ModelRunnerOutput] | None
-                              ) -> tuple[list, tuple[SchedulerOutput, float] | None]:
+                              ) -> tuple[list, tuple[SchedulerOutput, float, float] | None]:
         """The engine's side of an async step (its second thread; no tensors): the
-        output of the step that ran last, then the next step scheduled (with when)."""
+        output of the step that ran last, then the next step scheduled (with when it
+        began and ended)."""
         outputs = [] if last is None else self._update(*last, self.clock())
         start = self.clock()
         scheduler_output = self.scheduler.schedule()
@@ -395,18 +396,17 @@ class EngineCore:
             if scheduler_output.preempted:
                 self._record_preemptions(scheduler_output, start)
             return outputs, None
-        return outputs, (scheduler_output, start)
+        return outputs, (scheduler_output, start, self.clock())
 
-    def _prepare(self, scheduler_output: SchedulerOutput, start: float) -> InFlightStep:
+    def _prepare(self, scheduler_output: SchedulerOutput, start: float, scheduled: float) -> InFlightStep:
         """Pack a scheduled step's inputs to run later; if that fails, it is rolled back."""
         first_time = self._first_scheduled(scheduler_output, start)
-        submitted = self.clock()
         try:
             inputs = self.executor.prepare_step(scheduler_output)
         except BaseException:
             self._roll_back(scheduler_output, first_time)
             raise
-        return InFlightStep(scheduler_output, start, submitted, inputs, first_time)
+        return InFlightStep(scheduler_output, start, scheduled, inputs, first_time)
 
     def _empty_step(self, scheduler_output: SchedulerOutput, start: float) -> None:
         """A step that schedules nothing (and, with async scheduling, nothing is in flight)."""
@@ -436,7 +436,7 @@ class EngineCore:
             model_start = self.clock() - since
         self._record(scheduler_output, start, self.clock(), result.model_time, finished, accepted,
                      getattr(result, "parallel", None),
-                     StepTimes(step.submitted, model_start, output_start))
+                     StepTimes(step.scheduled, model_start, output_start))
         self.stats.record_step(scheduler_output.num_scheduled_tokens, len(scheduler_output.preempted),
                                [m for m, _ in got_token], [n for _, n in got_token])
         if self.drafter is not None:

@@ -19,7 +19,8 @@ in the timeline; each figure carries the key.
     viz.replay(llm.trace)        # step slider + play button in Jupyter
 
 One module per kind of picture (``kv_cache``, ``batch``, ``timeline``, ``latency``,
-``steps``, ``architecture``, ``spec_decode``, ``cluster``, ``quantization``, ``disagg``), with the shared colours and
+``steps``, ``architecture``, ``spec_decode``, ``cluster``, ``quantization``, ``disagg``,
+``overlap``), with the shared colours and
 sizes in ``style`` and :func:`save_figure` in ``saving``; every public name is imported here, so ``viz.NAME``
 is all a notebook needs.
 """
@@ -46,6 +47,7 @@ from minivllm.viz.kv_cache import (
     plot_memory_waste,
 )
 from minivllm.viz.latency import plot_latency, plot_ttft_breakdown
+from minivllm.viz.overlap import plot_step_overlap, step_overlap
 from minivllm.viz.quantization import (
     VARIANT_COLORS,
     plot_channel_maxima,
@@ -143,6 +145,7 @@ __all__ = [
     "plot_quantization_tradeoff",
     "plot_request_timeline",
     "plot_spec_decode",
+    "plot_step_overlap",
     "plot_steps",
     "plot_tier_residency",
     "plot_ttft_breakdown",
@@ -153,4 +156,5 @@ __all__ = [
     "request_spans",
     "save_figure",
     "spec_decode_counts",
+    "step_overlap",
 ]
