@@ -292,3 +292,25 @@ def test_a_request_just_added_is_counted_once(monkeypatch):
         return outcome
 
     assert asyncio.run(asyncio.wait_for(arrivals(), 60)) == "admitted"
+
+
+def test_an_engine_built_by_the_client_is_built_and_stepped_on_one_thread():
+    """The thread server's engine: built on the thread that steps it, so that one thread
+    runs the model (two would keep two OpenMP teams on the same cores)."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return LLM(make_tiny_model("llama"), log_stats_interval=None).llm_engine
+
+    async def run():
+        engine = AsyncLLMEngine(build)
+        engine.start()
+        stepped_on = await engine.call(threading.current_thread)
+        outputs = [o async for o in engine.generate("a", {"prompt_token_ids": [1, 2, 3]}, greedy(4))]
+        await engine.shutdown()
+        return stepped_on, outputs[-1]
+
+    stepped_on, final = asyncio.run(asyncio.wait_for(run(), 60))
+    assert built_on == [stepped_on] and stepped_on is not threading.main_thread()
+    assert final.finished and len(final.outputs[0].token_ids) == 4

@@ -114,9 +114,10 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine | None = None, max_waiting: int | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine] | None = None, max_waiting: int | None = None,
                  reject_over_length: bool = True, *, client: EngineCoreClient | None = None) -> None:
-        """``engine``: an ``LLMEngine`` to step on a thread of this process; or ``client``:
+        """``engine``: an ``LLMEngine`` to step on a thread of this process (or a function
+        that builds one, called on that thread: ``InprocClient``); or ``client``:
         any engine-core client (``minivllm.engine.core_client``). ``max_waiting``: refuse new
         requests while this many are queued (None: no limit). ``reject_over_length``:
         refuse ``max_tokens`` that cannot fit after the prompt (what an API server should

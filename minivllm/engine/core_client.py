@@ -111,9 +111,15 @@ class InprocClient(EngineCoreClient):
     do. Aborts are collected and applied just before the next step, so an aborted
     request's KV blocks are free after that step."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """``engine``: the engine, or a function that builds it, called on the stepping
+        thread: then that thread is the only one that ever runs the model. Better so on
+        a CPU: PyTorch runs its operators on a team of threads per calling thread
+        (OpenMP), and an engine built on one thread and stepped on another keeps two
+        teams on the same cores; this was measured to make the thread server's decode
+        steps 1.4x slower (``minivllm bench serve``, README)."""
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="minivllm-engine")
+        self.engine = engine if isinstance(engine, LLMEngine) else self._thread.submit(engine).result()
         self._aborts: set[str] = set()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None

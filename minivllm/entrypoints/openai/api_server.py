@@ -171,7 +171,9 @@ def _async_engine(llm: LLM | LLMEngine | None, engine_process: bool | None, max_
     if llm is None and engine_process is not False:
         async_engine = AsyncMPEngine(EngineConfig(**llm_kwargs), max_waiting=max_waiting)
         return async_engine, async_engine.config.model
-    llm = LLM(**llm_kwargs) if llm is None else llm
+    if llm is None:  # built on the thread that will step it (core_client.InprocClient)
+        async_engine = AsyncLLMEngine(lambda: LLM(**llm_kwargs).llm_engine, max_waiting=max_waiting)
+        return async_engine, async_engine.client.engine.config.model
     engine = llm.llm_engine if isinstance(llm, LLM) else llm
     return AsyncLLMEngine(engine, max_waiting=max_waiting), engine.config.model
 
