@@ -40,7 +40,8 @@ def test_throughput_all_tools_greedy_identical(tiny):
                                   engine_kwargs=dict(max_num_batched_tokens=32, device="cpu"), min_running=2)
     assert [r.tool for r in report.results] == list(TOOLS)
     assert report.matches == {"minivllm-torch-linear": 4, "minivllm-onednn-linear": 4,
-                              "minivllm-transposed-linear": 4, "hf-generate": 4, "hf-static": 4, "hf-cb": 4}
+                              "minivllm-transposed-linear": 4, "minivllm-async": 4, "hf-generate": 4,
+                              "hf-static": 4, "hf-cb": 4}
     assert all(r.output_tokens == sum(x.max_tokens for x in w) for r in report.results)
     assert report.overhead["num_steps"] > 0 and 0 <= report.overhead["in_step"] < 1
     table = report.table()

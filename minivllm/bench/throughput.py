@@ -30,6 +30,7 @@ from minivllm.bench.timing import Timing, compare, rotated
 from minivllm.bench.tools import (
     TOOL_LABELS,
     TOOLS,
+    VARIANTS,
     ToolResult,
     run_hf_continuous,
     run_hf_generate,
@@ -236,7 +237,7 @@ class _ToolRunner:
         self.engine, self.baseline, self.tokenizer, self.kwargs = engine, baseline, tokenizer, kwargs
         self.workload, self.pad, self.static_batch_size = workload, pad, static_batch_size
         self.passes: dict[str, int] = {}
-        self.fixed_engines: dict[str, LLMEngine] = {}
+        self.variant_engines: dict[str, LLMEngine] = {}
         self.calls = 0
         self.hook = None
         self.warm = make_workload(None, 2, seed=99, prompt_len=(8, 16), output_len=4, vocab_size=100)
@@ -268,8 +269,7 @@ class _ToolRunner:
             return res
         if tool == "minivllm":
             return self._reference()
-        return self._fixed_linear({"minivllm-torch-linear": "torch", "minivllm-onednn-linear": "onednn",
-                                   "minivllm-transposed-linear": "transposed"}[tool])
+        return self._variant(tool)
 
     def _reference(self) -> ToolResult:
         engine = self.engine
@@ -279,20 +279,22 @@ class _ToolRunner:
         self.passes["minivllm"] = len(engine.trace.steps)
         return res
 
-    def _fixed_linear(self, backend: str) -> ToolResult:
-        # The same engine with every linear layer through one library, whatever "auto"
-        # measured (minivllm.worker.linear): "torch" is nn.Linear as is, so that row also shows
-        # how much of minivllm's lead is scheduling and paging rather than the matmul.
-        if backend not in self.fixed_engines:
-            fixed = LLMEngine(EngineConfig(**{**self.kwargs, "linear_backend": backend}), self.engine.model,
-                              self.tokenizer)
-            run_minivllm(fixed, self.warm)
-            self.fixed_engines[backend] = fixed
-        fixed = self.fixed_engines[backend]
-        fixed.trace.clear()
-        fixed.reset_prefix_cache()  # an earlier round's prompts must not be found cached
-        res = replace(run_minivllm(fixed, self.workload), tool=f"minivllm-{backend}-linear")
-        self.passes[res.tool] = len(fixed.trace.steps)
+    def _variant(self, tool: str) -> ToolResult:
+        # The same engine over the same model with one setting changed (VARIANTS). With
+        # every linear layer through one library, whatever "auto" measured
+        # (minivllm.worker.linear): "torch" is nn.Linear as is, so that row also shows how
+        # much of minivllm's lead is scheduling and paging rather than the matmul. With
+        # async scheduling: what overlapping the engine's Python with the model gains.
+        if tool not in self.variant_engines:
+            variant = LLMEngine(EngineConfig(**{**self.kwargs, **VARIANTS[tool]}), self.engine.model,
+                                self.tokenizer)
+            run_minivllm(variant, self.warm)
+            self.variant_engines[tool] = variant
+        variant = self.variant_engines[tool]
+        variant.trace.clear()
+        variant.reset_prefix_cache()  # an earlier round's prompts must not be found cached
+        res = replace(run_minivllm(variant, self.workload), tool=tool)
+        self.passes[tool] = len(variant.trace.steps)
         return res
 
 

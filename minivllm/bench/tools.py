@@ -23,12 +23,20 @@ from minivllm.sim.replay import replay_workload
 from minivllm.sim.workload import WorkloadRequest
 
 TOOLS = ("minivllm", "minivllm-torch-linear", "minivllm-onednn-linear", "minivllm-transposed-linear",
-         "hf-generate", "hf-static", "hf-cb")
+         "minivllm-async", "hf-generate", "hf-static", "hf-cb")
+VARIANTS = {
+    "minivllm-torch-linear": {"linear_backend": "torch"},
+    "minivllm-onednn-linear": {"linear_backend": "onednn"},
+    "minivllm-transposed-linear": {"linear_backend": "transposed"},
+    "minivllm-async": {"async_scheduling": True},
+}
+"""The minivllm tools that are the reference engine with one setting changed."""
 TOOL_LABELS = {
     "minivllm": "minivllm (continuous batching, paged KV)",
     "minivllm-torch-linear": "minivllm, linear_backend='torch'",
     "minivllm-onednn-linear": "minivllm, linear_backend='onednn'",
     "minivllm-transposed-linear": "minivllm, linear_backend='transposed'",
+    "minivllm-async": "minivllm, async_scheduling=True",
     "hf-generate": "transformers generate(), one at a time",
     "hf-static": "transformers generate(), padded static batches",
     "hf-cb": "transformers continuous batching",
