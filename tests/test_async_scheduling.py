@@ -170,9 +170,11 @@ def test_abort_while_a_step_is_in_flight(tiny):
     assert all_blocks_free(llm) and engine.model_runner.generators == {}
 
 
-def test_a_failed_step_fails_the_one_behind_it_and_both_are_rolled_back(tiny):
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_failed_step_fails_the_one_behind_it_and_both_are_rolled_back(tiny, error):
     """The step after a failed one was scheduled on placeholders that were never
-    sampled: it does not run. Both are undone; stepping again carries on exactly."""
+    sampled: it does not run. Both are undone; stepping again carries on exactly. The
+    same for Ctrl-C in a notebook."""
     model, prompts, _, _ = tiny
     llm = make(model, block_size=4, max_num_batched_tokens=24)
     engine = llm.llm_engine
@@ -183,7 +185,7 @@ def test_a_failed_step_fails_the_one_behind_it_and_both_are_rolled_back(tiny):
     def execute_step(step):
         calls["n"] += 1
         if calls["n"] in (2, 5, 6):
-            raise RuntimeError("injected failure")
+            raise error("injected failure")
         return real(step)
 
     runner.execute_step = execute_step
@@ -193,7 +195,7 @@ def test_a_failed_step_fails_the_one_behind_it_and_both_are_rolled_back(tiny):
     while engine.has_unfinished_requests():
         try:
             outs = engine.step()
-        except RuntimeError as e:
+        except error as e:
             assert "injected failure" in str(e)
             failures += 1
             assert all(r.num_output_placeholders == 0 for r in engine.scheduler.requests.values())

@@ -373,3 +373,19 @@ def test_a_grammar_that_fails_to_compile_queues_no_child(llm, monkeypatch):
         engine.add_request("bad", "x", SamplingParams(n=3, structured_outputs=StructuredOutputsParams(regex="a+")))
     assert not engine.has_unfinished_requests() and not engine.has_request("bad")
     assert not any(engine.has_request(f"{i}_bad") for i in range(3))
+
+
+def test_async_scheduling_gives_the_same_guided_samples(llm):
+    """With async scheduling a guided request waits for its token before it runs again
+    (its mask needs it): its seeded samples, and its neighbours', are those of the engine
+    without it."""
+    model, tokenizer = llm.llm_engine.model, llm.llm_engine.tokenizer
+    prompts = [f"Describe person {i} as JSON." for i in range(6)]
+    params = [guided(i, json=SCHEMA, disable_any_whitespace=True) if i % 2 else
+              SamplingParams(temperature=1.0, seed=i, max_tokens=24) for i in range(6)]
+    async_llm = LLM(model, tokenizer=tokenizer, log_stats_interval=None, async_scheduling=True)
+    outs = texts(async_llm, prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in texts(llm, prompts, params)]
+    for out in outs[1::2]:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert all_blocks_free(async_llm)

@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -365,17 +365,17 @@ class EngineCore:
         job = self._bookkeeper.submit(self._process_and_schedule, last)
         try:
             result = None if current is None else self.executor.execute_step(current.inputs)
-        except BaseException:
-            if job.exception() is None:
-                outputs, scheduled = job.result()
-                self._finished_outputs.extend(outputs)
-                if scheduled is not None:  # latest first
-                    self.scheduler.rollback(scheduled[0])
+        except BaseException:  # an error, or Ctrl-C in a notebook: undo the step behind, then this one
+            self._abandon(job)
             self._roll_back(current.scheduler_output, current.first_time)
             raise
         if current is not None:
             self._last_step = (current, result)
-        outputs, scheduled = job.result()
+        try:
+            outputs, scheduled = job.result()
+        except BaseException:  # Ctrl-C while waiting for the engine's thread
+            self._abandon(job)
+            raise
         if scheduled is not None:
             try:
                 self._next_step = self._prepare(*scheduled)
@@ -383,6 +383,17 @@ class EngineCore:
                 self._finished_outputs.extend(outputs)
                 raise
         return outputs
+
+    def _abandon(self, job: Future) -> None:
+        """``step()`` is raising: once the engine's second thread is done, hand its outputs
+        out with the next call and undo the step it scheduled (placeholders for tokens
+        that will not come, or that the next call schedules again)."""
+        if job.exception() is not None:  # (waits) it failed itself: nothing of it to undo
+            return
+        outputs, scheduled = job.result()
+        self._finished_outputs.extend(outputs)
+        if scheduled is not None:
+            self.scheduler.rollback(scheduled[0])
 
     def _process_and_schedule(self, last: tuple[InFlightStep, ModelRunnerOutput] | None
                               ) -> tuple[list, tuple[SchedulerOutput, float, float] | None]:
