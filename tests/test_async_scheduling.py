@@ -242,3 +242,18 @@ def test_the_command_line_takes_the_flag():
         assert build_parser().parse_args(command).async_scheduling is True
     assert build_parser().parse_args(["serve"]).async_scheduling is False
 
+
+
+def test_generate_returns_with_nothing_in_flight(tiny):
+    """The step scheduled behind a stop is processed before generate() returns, so the
+    next call's trace holds only its own steps."""
+    model, prompts, _, _ = tiny
+    llm = make(model)
+    stop = hf_greedy(model, prompts[0], 8)[3]
+    first = llm.generate([{"prompt_token_ids": prompts[0]}],
+                         SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]), use_tqdm=False)
+    assert first[0].outputs[0].finish_reason == "stop" and not llm.llm_engine.has_steps_in_flight()
+    llm.trace.clear()
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(5), use_tqdm=False)
+    assert {c.request_id for s in llm.trace.steps for c in s.scheduled} == {second[0].request_id}
+    assert all_blocks_free(llm)

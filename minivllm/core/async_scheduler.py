@@ -25,9 +25,9 @@ Prompt chunks need no token from the step before, so chunk k+1 is scheduled whil
 chunk k runs.
 
 In vLLM: ``vllm/v1/core/sched/async_scheduler.py`` (``AsyncScheduler``). There the GPU
-runs step N while the CPU schedules step N+1 (``EngineCore.step_with_batch_queue``); on a
-CPU the model's operators need the cores themselves, so what overlaps is the engine's
-Python with the operators, through the interpreter lock.
+runs step N while the CPU schedules step N+1 (``EngineCore.step_with_batch_queue``). On a
+CPU the model's operators keep the cores busy themselves, and the engine's thread waits
+for the interpreter lock: the overlap is small (notebook 11 draws it from the trace).
 """
 
 from __future__ import annotations

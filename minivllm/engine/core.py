@@ -300,7 +300,12 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._finished_outputs)
-                or self._next_step is not None or self._last_step is not None)
+                or self.has_steps_in_flight())
+
+    def has_steps_in_flight(self) -> bool:
+        """Async scheduling: whether a step is scheduled or run and its output not yet
+        processed (the next ``step()`` does). Never without it."""
+        return self._next_step is not None or self._last_step is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -346,9 +351,11 @@ class EngineCore:
         All tensor work stays in *this* thread, the one that runs the model without
         async scheduling too: PyTorch runs its CPU operators on a team of threads per
         calling thread (OpenMP), and a second team on the same cores was measured to make
-        the forward pass 1.7x slower. The second thread runs only Python, which takes
-        turns with this one through the interpreter lock while the operators here run
-        without it.
+        the forward pass 1.7x slower. The second thread runs only Python, and Python runs
+        one thread at a time (the interpreter lock): it gets its turn when this thread
+        enters an operator, and on a CPU that is mostly before the forward pass has
+        started (notebook 11 measures it). On a CPU the forward pass keeps every core busy
+        anyway; the overlap pays where the model runs elsewhere, on a GPU.
 
         A failed step is rolled back with the step scheduled behind it (whose
         placeholders stood for its tokens), and the error re-raised, as :meth:`step`
@@ -369,7 +376,8 @@ class EngineCore:
             result = None if current is None else self.executor.execute_step(current.inputs)
         except BaseException:  # an error, or Ctrl-C in a notebook: undo the step behind, then this one
             self._abandon(job)
-            self._roll_back(current.scheduler_output, current.first_time)
+            if current is not None:
+                self._roll_back(current.scheduler_output, current.first_time)
             raise
         if current is not None:
             self._last_step = (current, result)
@@ -390,7 +398,8 @@ class EngineCore:
         """``step()`` is raising: once the engine's second thread is done, hand its outputs
         out with the next call and undo the step it scheduled (placeholders for tokens
         that will not come, or that the next call schedules again)."""
-        if job.exception() is not None:  # (waits) it failed itself: nothing of it to undo
+        if job.exception() is not None:  # (waits) it failed itself, half-way: say so, undo nothing
+            logger.error("the engine's second thread failed too", exc_info=job.exception())
             return
         outputs, scheduled = job.result()
         self._finished_outputs.extend(outputs)

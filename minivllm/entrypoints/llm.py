@@ -248,6 +248,12 @@ class LLM:
                             refresh=False,
                         )
                         bar.update(1)
+            # With async scheduling the step scheduled behind the last stop is still in
+            # flight (its token is thrown away): process it now, so that this call's trace
+            # ends with it. Not while other requests run: it belongs to their steps then.
+            engine = self.llm_engine
+            while engine.has_steps_in_flight() and not engine.scheduler.has_unfinished_requests():
+                self._step()
         except BaseException:
             # e.g. KeyboardInterrupt in a notebook: leave nothing hanging. (A failed step
             # has been rolled back by the engine; the abort outputs go out with the next.)

@@ -67,8 +67,10 @@ def plot_step_overlap(trace: Trace, steps: Sequence[int] | None = None, ax: Axes
     """Two lanes over time (ms from the first step shown): the model's forward passes,
     and the engine's scheduling and output processing, each bar wide enough labelled
     with its step. ``steps``: indices into the trace (default: the first eight with
-    timings). With async scheduling the engine's bars stretch: its Python takes turns
-    with the model's own Python (the interpreter lock) and runs while the operators do."""
+    timings). The engine's bars are where its work ran, as the wall clock saw it: with
+    async scheduling on a CPU, mostly just before the forward pass it was meant to hide
+    behind (its thread takes the interpreter lock when the model's thread first lets it
+    go; notebook 11)."""
     indices = list(range(len(trace.steps))) if steps is None else list(steps)
     records = [trace.steps[i] for i in indices]
     records = [r for r in records if r.times is not None and r.times.model_start is not None]
