@@ -11,7 +11,9 @@ One call to :meth:`EngineCore.step` is one iteration of continuous batching:
 Requests may be added or aborted between any two steps; that is what makes the batching
 *continuous*. With ``async_scheduling=True`` the parts overlap instead: each call runs
 one step's forward pass while a second thread processes the step before and schedules
-the step after (:meth:`EngineCore._step_async`, ``minivllm.core.async_scheduler``). The core deals in token ids only: text, stop strings and logprob dicts are
+the step after (``EngineCore._step_async``, ``minivllm.core.async_scheduler``).
+
+The core deals in token ids only: text, stop strings and logprob dicts are
 the front end's (``minivllm.engine.output_processor``). :class:`~minivllm.engine.llm_engine.LLMEngine` is
 this core with that front end in the same process (``LLM`` and the thread server use
 it); the engine core process of ``minivllm serve`` runs this class alone
