@@ -257,3 +257,37 @@ def test_generate_returns_with_nothing_in_flight(tiny):
     second = llm.generate([{"prompt_token_ids": prompts[1]}], greedy(5), use_tqdm=False)
     assert {c.request_id for s in llm.trace.steps for c in s.scheduled} == {second[0].request_id}
     assert all_blocks_free(llm)
+
+
+def test_a_step_that_fails_after_one_of_its_requests_was_aborted(tiny):
+    """The step packed last time runs in the next call: a request in it can be aborted in
+    between, and if that step then fails, the rollback leaves the finished request alone."""
+    model, prompts, _, _ = tiny
+    llm = make(model)
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    real, fail = runner.execute_step, {"now": False}
+
+    def execute_step(step):
+        if fail["now"]:
+            fail["now"] = False
+            raise RuntimeError("injected failure")
+        return real(step)
+
+    runner.execute_step = execute_step
+    engine.add_request("a", {"prompt_token_ids": prompts[0]}, greedy(8))
+    engine.step()
+    engine.add_request("b", {"prompt_token_ids": prompts[1]}, greedy(8))
+    engine.step()  # b is admitted in the step packed now, to run in the next call
+    engine.abort_request(["b"])
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0]
+    assert final["b"].finish_reason == "abort"
+    assert final["a"].token_ids == hf_greedy(model, prompts[0], 8)
+    assert all_blocks_free(llm)

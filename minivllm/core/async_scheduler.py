@@ -32,6 +32,7 @@ for the interpreter lock: the overlap is small (notebook 11 draws it from the tr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from minivllm.core.scheduler import Scheduler, SchedulerOutput
@@ -71,9 +72,12 @@ class AsyncScheduler(Scheduler):
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def rollback(self, scheduler_output: SchedulerOutput) -> None:
-        """A failed step samples nothing: its placeholders go too."""
+        """A failed step samples nothing: its placeholders go too. A step waits to run
+        for a call of ``step()``, so a request in it may have been aborted meanwhile: it
+        is finished, and nothing of it is left to undo."""
         self._release_placeholders(scheduler_output)
-        super().rollback(scheduler_output)
+        live = [s for s in scheduler_output.scheduled if not s.request.is_finished]
+        super().rollback(dataclasses.replace(scheduler_output, scheduled=live))
 
     @staticmethod
     def _release_placeholders(scheduler_output: SchedulerOutput) -> None:
