@@ -163,8 +163,18 @@ class RayReplicas:
 
     def where(self) -> list[tuple[str, int, int]]:
         """Per replica: (node id, the actor's pid, its server's pid), as now (the pids
-        change when Ray restarts a replica)."""
-        return import_ray().get([a.where.remote() for a in self.actors])
+        change when Ray restarts a replica). An actor Ray is restarting answers once it is
+        up again: its new server can answer ``/health`` (and a router take it back) a
+        moment before the actor has finished starting, and Ray refuses calls until then."""
+        ray = import_ray()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                return ray.get([a.where.remote() for a in self.actors])
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """Kill every replica for good (no restart) and release the reservation."""
