@@ -45,11 +45,16 @@ def step_overlap(trace: Trace, steps: Sequence[int] | None = None) -> dict[str, 
     seconds of ``engine`` work (scheduling and output processing), of ``model`` work,
     and how much of the engine's ran while the model ran (``hidden``), with its share
     ``hidden_fraction``."""
+    return _overlap_of(_timed(trace, steps))
+
+
+def _timed(trace: Trace, steps: Sequence[int] | None) -> list[StepRecord]:
+    """The steps (indices into the trace, default all) whose forward pass has timings."""
     records = [r for r in (trace.steps if steps is None else [trace.steps[i] for i in steps])
                if r.times is not None and r.times.model_start is not None]
     if not records:
         raise ValueError("no step with timings in the trace: run the engine (e.g. llm.generate) first")
-    return _overlap_of(records)
+    return records
 
 
 def _overlap_of(records: Sequence[StepRecord]) -> dict[str, float]:
@@ -71,13 +76,9 @@ def plot_step_overlap(trace: Trace, steps: Sequence[int] | None = None, ax: Axes
     async scheduling on a CPU, mostly just before the forward pass it was meant to hide
     behind (its thread takes the interpreter lock when the model's thread first lets it
     go; notebook 11)."""
-    indices = list(range(len(trace.steps))) if steps is None else list(steps)
-    records = [trace.steps[i] for i in indices]
-    records = [r for r in records if r.times is not None and r.times.model_start is not None]
+    records = _timed(trace, steps)
     if steps is None:
         records = records[:8]
-    if not records:
-        raise ValueError("no step with timings to draw: run the engine (e.g. llm.generate) first")
     fig, ax = _new_axes(ax, KV_USAGE_SIZE)
     t0 = min(r.start for r in records)
     lanes = {"model": 1, "schedule": 0, "output": 0}
